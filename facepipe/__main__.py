@@ -1,0 +1,5 @@
+import sys
+
+from facepipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""``facepipe <stage>``: a thin argparse layer over the stage functions in ``facepipe.stages``.
+
+Each stage module exposes ``add_parser(subparsers)`` that registers its sub-command and sets
+``func`` (called with the parsed arguments, returns an exit code). Errors that the user can fix
+(``FacepipeError``) become one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from facepipe.errors import FacepipeError
+
+#: Stage modules that contribute sub-commands, in the order ``--help`` lists them.
+COMMAND_MODULES = (
+    "facepipe.stages.sample_data",
+    "facepipe.stages.prepare",
+    "facepipe.stages.inspect",
+)
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="facepipe", description="Raw face photos -> aligned shards -> trained face recognizer."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        try:  # TODO(lead): remove once every stage module has landed
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name != name:
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def add_params_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--params", default="params.yaml", metavar="FILE", help="params file; reads only this stage's section"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("distributed", "prefect", "httpx", "dvc", "dvclive"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        return int(args.func(args) or 0)
+    except FacepipeError as error:
+        print(f"facepipe {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"facepipe {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""One chunk of raw files -> encoded aligned faces or rejects: the unit of parallel work in prepare.
+
+Runs inside Dask worker processes. It returns encoded records (JPEG bytes plus a JSON-able header),
+never decoded arrays, so results are small to ship back to the single writer.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from facepipe.alignment import align_face
+from facepipe.config import PrepareParams
+from facepipe.data.decode import Reject, load_image
+from facepipe.detection import Face, MTCNNDetector, select_face
+from facepipe.io.records import encode_image
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one scanned file: ``header`` and ``payload`` when accepted, else ``reason``."""
+
+    path: str
+    sha256: str | None
+    header: dict[str, Any] | None = None
+    payload: bytes | None = None
+    reason: str | None = None
+    detail: str = ""
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is None
+
+
+@functools.lru_cache(maxsize=4)
+def get_detector(min_face_size: int, detect_size: int, device: str) -> MTCNNDetector:
+    """One detector per process and setting: loading the weights costs more than a small chunk."""
+    import torch
+
+    # Parallelism comes from worker processes; one intra-op thread each also makes the numerics
+    # independent of the machine's core count, so any worker gives byte-identical output.
+    torch.set_num_threads(1)
+    return MTCNNDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
+
+
+def _gate(faces: list[Face], params: PrepareParams, shape: tuple[int, ...]) -> Face:
+    if not faces:
+        raise Reject("no_face", "detector found no face")
+    confident = [face for face in faces if face.score >= params.score_threshold]
+    if not confident:
+        best = max(face.score for face in faces)
+        raise Reject("low_score", f"best score {best:.4f} < {params.score_threshold}")
+    big = [face for face in confident if face.size >= params.min_face_size]
+    if not big:
+        largest = max(face.size for face in confident)
+        raise Reject("face_too_small", f"largest face {largest:.0f}px < min_face_size={params.min_face_size}")
+    return select_face(big, params.face_selection, shape)
+
+
+def _accept(path: str, sha: str, image: np.ndarray, face: Face, params: PrepareParams) -> Outcome:
+    try:
+        aligned = align_face(image, face.landmarks, params.image_size)
+    except ValueError as error:
+        return Outcome(path, sha, reason="bad_landmarks", detail=str(error))
+    payload = encode_image(aligned, encoding=params.encoding, quality=params.quality)
+    header = {
+        "path": path,
+        "sha256": sha,
+        "box": [round(float(v), 2) for v in face.box],
+        "landmarks": [[round(float(x), 3), round(float(y), 3)] for x, y in face.landmarks],
+        "score": round(face.score, 6),
+        "source_size": [int(image.shape[1]), int(image.shape[0])],
+        "encoding": params.encoding,
+        "size": [params.image_size, params.image_size],
+    }
+    return Outcome(path, sha, header=header, payload=payload)
+
+
+def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device: str = "auto") -> list[Outcome]:
+    """Read, hash, decode, detect, gate, align and encode every file of ``paths`` (relative to ``raw_root``).
+
+    Returns one :class:`Outcome` per path, in the order given. Every per-image problem is a reject.
+    """
+    outcomes: dict[int, Outcome] = {}
+    decoded: list[tuple[int, str, np.ndarray]] = []
+    for index, path in enumerate(paths):
+        if "/" not in path:
+            outcomes[index] = Outcome(path, None, reason="outside_identity_folder", detail="file is not inside an identity folder")
+            continue
+        try:
+            data = (Path(raw_root) / path).read_bytes()
+        except OSError as error:
+            outcomes[index] = Outcome(path, None, reason="io_error", detail=f"{type(error).__name__}: {error.strerror}")
+            continue
+        sha = hashlib.sha256(data).hexdigest()
+        try:
+            image = load_image(data, max_pixels=params.max_pixels)
+            if min(image.shape[:2]) < params.min_face_size:
+                raise Reject("image_too_small", f"{image.shape[1]}x{image.shape[0]} cannot hold a {params.min_face_size}px face")
+        except Reject as reject:
+            outcomes[index] = Outcome(path, sha, reason=reject.reason, detail=reject.detail)
+            continue
+        decoded.append((index, sha, image))
+
+    detector = get_detector(params.min_face_size, params.detect_size, device)
+    images = [image for _, _, image in decoded]
+    try:
+        detections = detector.detect(images)
+    except Exception:  # noqa: BLE001 - isolate the image that breaks the batch
+        detections = []
+        for image in images:
+            try:
+                detections.append(detector.detect([image])[0])
+            except Exception as error:  # noqa: BLE001
+                detections.append(error)
+    for (index, sha, image), faces in zip(decoded, detections):
+        path = paths[index]
+        if isinstance(faces, Exception):
+            outcomes[index] = Outcome(path, sha, reason="detector_error", detail=f"{type(faces).__name__}: {faces}")
+            continue
+        try:
+            face = _gate(faces, params, image.shape)
+        except Reject as reject:
+            outcomes[index] = Outcome(path, sha, reason=reject.reason, detail=reject.detail)
+            continue
+        outcomes[index] = _accept(path, sha, image, face, params)
+    return [outcomes[index] for index in range(len(paths))]

@@ -1,0 +1,50 @@
+"""What a detector returns, and how one face is chosen among several."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Face:
+    """One detected face in original-image pixel coordinates.
+
+    ``box``: [4] float (x1, y1, x2, y2); ``landmarks``: [5, 2] float (x, y) in the order left eye,
+    right eye, nose, left mouth corner, right mouth corner; ``score`` in [0, 1].
+    """
+
+    box: np.ndarray
+    score: float
+    landmarks: np.ndarray
+
+    @property
+    def size(self) -> float:
+        """Shorter side of the box, pixels."""
+        return float(min(self.box[2] - self.box[0], self.box[3] - self.box[1]))
+
+    @property
+    def area(self) -> float:
+        return float(max(self.box[2] - self.box[0], 0.0) * max(self.box[3] - self.box[1], 0.0))
+
+
+def select_face(faces: list[Face], policy: str, image_shape: tuple[int, ...]) -> Face:
+    """Pick one of ``faces`` (non-empty): ``largest`` box, closest to the image ``center``, or ``highest_score``.
+
+    Ties go to the earlier face so the choice is deterministic.
+    """
+    if not faces:
+        raise ValueError("no faces to select from")
+    if policy == "largest":
+        keys = [-face.area for face in faces]
+    elif policy == "highest_score":
+        keys = [-face.score for face in faces]
+    elif policy == "center":
+        cy, cx = image_shape[0] / 2.0, image_shape[1] / 2.0
+        keys = [
+            ((face.box[0] + face.box[2]) / 2 - cx) ** 2 + ((face.box[1] + face.box[3]) / 2 - cy) ** 2 for face in faces
+        ]
+    else:
+        raise ValueError(f"unknown face selection policy {policy!r}")
+    return faces[int(np.argmin(keys))]

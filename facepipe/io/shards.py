@@ -1,0 +1,286 @@
+"""LMDB shards: a rolling writer and lazy, fork-safe readers.
+
+A shard is a single-file LMDB environment (``subdir=False``). Keys are the 8-byte big-endian sample
+index within the shard; two reserved keys hold the per-shard label index (``__labels__``: int32
+little endian, one per sample, readable without touching image bytes) and a small JSON ``__meta__``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from facepipe.errors import FacepipeError
+from facepipe.io.records import Record, decode_record
+
+SHARD_FORMAT = "facepipe-shard"
+SHARD_VERSION = 1
+SET_FORMAT = "facepipe-shards"
+SET_VERSION = 1
+
+LABELS_KEY = b"__labels__"
+META_KEY = b"__meta__"
+_KEY = struct.Struct(">Q")
+_MAP_SIZE = 1 << 40  # address space only: the file grows with its content
+_TXN_RECORDS = 512  # records per write transaction; fixed so that the file bytes are deterministic
+
+
+class ShardSetError(FacepipeError):
+    """A shard or shard set that is missing, corrupt or of an unknown format."""
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.lmdb"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the manifest says of one finished shard."""
+
+    file: str
+    num_samples: int
+    sha256: str
+    payload_bytes: int
+
+    def manifest_entry(self) -> dict[str, Any]:
+        return {"file": self.file, "num_samples": self.num_samples, "sha256": self.sha256}
+
+
+class ShardWriter:
+    """Streams records into ``shard-NNNNN.lmdb`` files under ``directory``, rolling by sample count.
+
+    Each finished shard is compacted into place and reported to ``on_shard``. Use as a context
+    manager or call :meth:`close`; a writer that fails leaves only ``*.partial`` files behind.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        samples_per_shard: int,
+        on_shard: Callable[[ShardInfo], None] | None = None,
+    ) -> None:
+        if samples_per_shard < 1:
+            raise ValueError("samples_per_shard must be >= 1")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.samples_per_shard = samples_per_shard
+        self.on_shard = on_shard
+        self.shards: list[ShardInfo] = []
+        self._env: lmdb.Environment | None = None
+        self._txn: lmdb.Transaction | None = None
+        self._labels: list[int] = []
+        self._payload_bytes = 0
+        self._partial: Path | None = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write(self, record: bytes, *, label: int, payload_bytes: int = 0) -> None:
+        """Append one encoded record of class ``label``."""
+        if self._env is None:
+            self._open()
+        assert self._txn is not None
+        self._txn.put(_KEY.pack(len(self._labels)), record, append=True)
+        self._labels.append(label)
+        self._payload_bytes += payload_bytes
+        if len(self._labels) % _TXN_RECORDS == 0:
+            self._txn.commit()
+            self._txn = self._env.begin(write=True)
+        if len(self._labels) >= self.samples_per_shard:
+            self._finish()
+
+    def close(self) -> list[ShardInfo]:
+        """Finish the open shard (if any); returns every shard written."""
+        if self._env is not None:
+            self._finish()
+        return self.shards
+
+    def abort(self) -> None:
+        if self._txn is not None:
+            self._txn.abort()
+        if self._env is not None:
+            self._env.close()
+        if self._partial is not None:
+            self._partial.unlink(missing_ok=True)
+        self._env = self._txn = self._partial = None
+
+    def _open(self) -> None:
+        self._partial = self.directory / (shard_name(len(self.shards)) + ".partial")
+        self._partial.unlink(missing_ok=True)
+        self._env = lmdb.open(
+            str(self._partial), subdir=False, map_size=_MAP_SIZE, lock=False, sync=False, meminit=True
+        )
+        self._txn = self._env.begin(write=True)
+        self._labels = []
+        self._payload_bytes = 0
+
+    def _finish(self) -> None:
+        assert self._env is not None and self._txn is not None and self._partial is not None
+        labels = np.asarray(self._labels, dtype="<i4")
+        self._txn.put(LABELS_KEY, labels.tobytes())
+        meta = {"format": SHARD_FORMAT, "version": SHARD_VERSION, "num_samples": len(labels)}
+        self._txn.put(META_KEY, json.dumps(meta, sort_keys=True).encode())
+        self._txn.commit()
+        name = shard_name(len(self.shards))
+        final = self.directory / name
+        final.unlink(missing_ok=True)
+        self._env.copy(str(final), compact=True)
+        self._env.close()
+        self._partial.unlink()
+        info = ShardInfo(name, len(labels), sha256_file(final), self._payload_bytes)
+        self.shards.append(info)
+        self._env = self._txn = self._partial = None
+        if self.on_shard is not None:
+            self.on_shard(info)
+
+
+class ShardReader:
+    """Read-only access to one shard; the LMDB environment is opened lazily, once per process."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._env: lmdb.Environment | None = None
+        self._pid = -1
+        self._len: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "_env": None, "_pid": -1, "_len": self._len}
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._env is None or self._pid != os.getpid():
+            # An environment must never cross a fork: open a fresh one in each process.
+            if not self.path.is_file():
+                raise ShardSetError(f"shard missing: {self.path}")
+            try:
+                self._env = lmdb.open(
+                    str(self.path), subdir=False, readonly=True, lock=False, readahead=False, max_readers=1024
+                )
+            except lmdb.Error as error:
+                raise ShardSetError(f"shard unreadable: {self.path} ({error})") from None
+            self._pid = os.getpid()
+        return self._env
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            self._env.close()
+        self._env = None
+
+    def meta(self) -> dict[str, Any]:
+        with self.env.begin() as txn:
+            raw = txn.get(META_KEY)
+        if raw is None:
+            raise ShardSetError(f"not a facepipe shard (no {META_KEY.decode()}): {self.path}")
+        meta = json.loads(raw)
+        if meta.get("format") != SHARD_FORMAT or meta.get("version") != SHARD_VERSION:
+            raise ShardSetError(f"unsupported shard format {meta.get('format')} v{meta.get('version')}: {self.path}")
+        return meta
+
+    def __len__(self) -> int:
+        if self._len is None:
+            self._len = int(self.meta()["num_samples"])
+        return self._len
+
+    def labels(self) -> np.ndarray:
+        """[N] int32 labels of every sample, without reading image bytes."""
+        with self.env.begin() as txn:
+            raw = txn.get(LABELS_KEY)
+        if raw is None:
+            raise ShardSetError(f"shard has no label index: {self.path}")
+        return np.frombuffer(raw, dtype="<i4").astype(np.int64)
+
+    def get(self, index: int) -> bytes:
+        """The raw record bytes of sample ``index`` (0-based within this shard)."""
+        with self.env.begin(buffers=False) as txn:
+            raw = txn.get(_KEY.pack(index))
+        if raw is None:
+            raise IndexError(f"{self.path.name}: no sample {index}")
+        return raw
+
+    def record(self, index: int) -> Record:
+        return decode_record(self.get(index))
+
+    def __iter__(self) -> Iterator[Record]:
+        with self.env.begin(buffers=False) as txn:
+            for index in range(len(self)):
+                yield decode_record(txn.get(_KEY.pack(index)))
+
+
+class ShardSet:
+    """A prepared shard set on disk: ``manifest.json``, ``labels.json`` and ``shards/``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        manifest_path = self.root / "manifest.json"
+        if not self.root.is_dir():
+            raise ShardSetError(f"shard set not found: {self.root}")
+        if not manifest_path.is_file():
+            raise ShardSetError(f"not a prepared shard set (no manifest.json): {self.root}")
+        try:
+            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+            self.identities: list[str] = json.loads((self.root / "labels.json").read_text())
+        except (OSError, ValueError) as error:
+            raise ShardSetError(f"unreadable shard set metadata in {self.root}: {error}") from None
+        if self.manifest.get("format") != SET_FORMAT or self.manifest.get("version") != SET_VERSION:
+            raise ShardSetError(
+                f"unsupported shard set format {self.manifest.get('format')!r} "
+                f"v{self.manifest.get('version')} in {self.root}"
+            )
+        self.readers = [ShardReader(self.root / "shards" / s["file"]) for s in self.manifest["shards"]]
+        counts = [int(s["num_samples"]) for s in self.manifest["shards"]]
+        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_identities(self) -> int:
+        return len(self.identities)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global sample index -> (shard index, index within the shard)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range [0, {len(self)})")
+        shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
+        return shard, int(index - self.offsets[shard])
+
+    def get(self, index: int) -> bytes:
+        shard, local = self.locate(index)
+        return self.readers[shard].get(local)
+
+    def record(self, index: int) -> Record:
+        return decode_record(self.get(index))
+
+    def labels(self) -> np.ndarray:
+        """[N] int64 labels of every sample in global order, from the per-shard label indexes."""
+        if not self.readers:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([reader.labels() for reader in self.readers])
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()

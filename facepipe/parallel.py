@@ -1,0 +1,77 @@
+"""Dask plumbing for prepare: a cluster to run on, and an ordered, bounded map over chunks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol, TypeVar
+
+from facepipe.errors import FacepipeError
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class FutureLike(Protocol):
+    def result(self) -> Any: ...
+
+
+def default_workers() -> int:
+    """One worker process per core this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def ordered_results(submit: Callable[[T], FutureLike], items: Iterable[T], *, window: int) -> Iterator[Any]:
+    """Submit ``items`` lazily, at most ``window`` in flight, and yield their results in item order.
+
+    In-order delivery keeps the writer deterministic; the window bounds memory however many items
+    there are (results are consumed as fast as the oldest one finishes).
+    """
+    if window < 1:
+        raise ValueError("window must be >= 1")
+    pending: deque[FutureLike] = deque()
+    for item in items:
+        pending.append(submit(item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+@contextmanager
+def dask_client(*, workers: int | None = None, scheduler_address: str | None = None) -> Iterator[Any]:
+    """A ``distributed.Client``: on an existing cluster, or a ``LocalCluster`` of single-threaded processes
+    on loopback (no dashboard), shut down on exit."""
+    from distributed import Client, LocalCluster
+
+    if scheduler_address:
+        try:
+            client = Client(scheduler_address, timeout="10s")
+        except (OSError, TimeoutError) as error:
+            raise FacepipeError(f"cannot reach the Dask scheduler at {scheduler_address}: {error}") from None
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+    n_workers = workers or default_workers()
+    cluster = LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
+    client = Client(cluster)
+    try:
+        yield client
+    finally:
+        client.close()
+        cluster.close()

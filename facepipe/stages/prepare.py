@@ -1,0 +1,274 @@
+"""The prepare stage: a raw folder of face photos -> a shard set (DESIGN.md, "A prepared shard set").
+
+Scan (sorted) -> fixed chunks -> Dask workers decode, detect, align and encode -> results come back
+in chunk order -> one writer streams records into shards -> metadata -> atomic rename into place.
+Chunks are cut from the sorted file list, not by worker, so the output is byte-identical for any
+number of workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from facepipe.alignment import template
+from facepipe.config import PrepareParams, load_section
+from facepipe.data.extract import Outcome, process_chunk
+from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
+from facepipe.errors import FacepipeError
+from facepipe.io.manifest import build_manifest, dumps, reject_line, write_metadata
+from facepipe.io.records import encode_record
+from facepipe.io.shards import ShardWriter
+from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
+from facepipe.progress import Progress
+
+log = logging.getLogger("facepipe.prepare")
+
+Submit = Callable[[list[str]], FutureLike]
+_PARTIAL = ".partial-"
+
+
+def check_inputs(raw: Path, out: Path) -> list[ScanItem]:
+    """Validate RAW and OUT before any work; returns the scan. Raises FacepipeError."""
+    if not raw.is_dir():
+        raise FacepipeError(f"raw folder not found: {raw}")
+    if out.exists() and not out.is_dir():
+        raise FacepipeError(f"output exists and is not a folder: {out}")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise FacepipeError(f"output folder exists, is not empty and is not a shard set; refusing to replace it: {out}")
+    if out.resolve().is_relative_to(raw.resolve()):
+        raise FacepipeError(f"output {out} lies inside the raw folder {raw}")
+    items = scan_raw(raw)
+    if not any(looks_like_image(item.path) for item in items):
+        raise FacepipeError(f"no images found under {raw}")
+    return items
+
+
+class SetBuilder:
+    """Consumes outcomes in input order: dedupes by content, assigns labels, writes shards and rejects."""
+
+    def __init__(self, root: Path, params: PrepareParams) -> None:
+        self.root = root
+        self.params = params
+        self.writer = ShardWriter(root / "shards", samples_per_shard=params.samples_per_shard)
+        self.rejects = open(root / "rejects.jsonl", "w")
+        self.identities: list[str] = []
+        self.labels: dict[str, int] = {}
+        self.first_seen: dict[str, str] = {}  # sha256 -> first path (sorted order) with those bytes
+        self.reasons: Counter[str] = Counter()
+        self.accepted = 0
+        self.payload_bytes = 0
+
+    def add(self, outcome: Outcome) -> None:
+        if outcome.sha256 is not None:
+            first = self.first_seen.setdefault(outcome.sha256, outcome.path)
+            if first != outcome.path:
+                crosses = first.split("/", 1)[0] != outcome.path.split("/", 1)[0]
+                detail = f"same bytes as {first}" + (" (another identity)" if crosses else "")
+                return self._reject(outcome.path, "duplicate", detail)
+        if not outcome.accepted:
+            return self._reject(outcome.path, outcome.reason or "unknown", outcome.detail)
+        assert outcome.header is not None and outcome.payload is not None
+        identity = outcome.path.split("/", 1)[0]
+        if identity not in self.labels:
+            self.labels[identity] = len(self.identities)
+            self.identities.append(identity)
+        label = self.labels[identity]
+        record = encode_record({**outcome.header, "label": label}, outcome.payload)
+        self.writer.write(record, label=label, payload_bytes=len(outcome.payload))
+        self.accepted += 1
+        self.payload_bytes += len(outcome.payload)
+
+    def _reject(self, path: str, reason: str, detail: str) -> None:
+        self.reasons[reason] += 1
+        self.rejects.write(reject_line({"path": path, "reason": reason, "detail": detail}))
+
+    def finish(self, scanned: int) -> dict[str, Any]:
+        """Close shards and write labels.json and, last, manifest.json; returns the manifest."""
+        shards = self.writer.close()
+        self.rejects.close()
+        rejected = sum(self.reasons.values())
+        if self.accepted + rejected != scanned:
+            raise RuntimeError(f"accounting broken: {self.accepted} + {rejected} != {scanned} scanned")
+        p = self.params
+        manifest = build_manifest(
+            shards,
+            image={
+                "size": p.image_size,
+                "encoding": p.encoding,
+                "quality": p.quality if p.encoding == "jpeg" else None,
+                "template": "arcface",
+                "template_points": template(p.image_size).round(4).tolist(),
+            },
+            num_identities=len(self.identities),
+            counts={"scanned": scanned, "accepted": self.accepted, "rejected": rejected},
+            params=p.model_dump(),
+        )
+        manifest["rejected_by_reason"] = dict(sorted(self.reasons.items()))
+        write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
+        return manifest
+
+    def abort(self) -> None:
+        self.writer.abort()
+        self.rejects.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Delete temporary siblings left by killed runs (their process is gone)."""
+    for partial in out.parent.glob(f".{out.name}{_PARTIAL}*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            log.info("removing %s left by an interrupted run", partial)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished set into place; an older set at ``out`` is replaced only after success."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def dask_submitter(
+    raw: Path, params: PrepareParams, *, workers: int | None, scheduler_address: str | None, device: str
+) -> Iterator[tuple[Submit, int]]:
+    """A submit function that runs :func:`process_chunk` on Dask, and the number of workers behind it."""
+    with dask_client(workers=workers, scheduler_address=scheduler_address) as client:
+        n_workers = max(1, sum(client.nthreads().values()))
+
+        def submit(paths: list[str]) -> FutureLike:
+            return client.submit(process_chunk, paths, str(raw), params, device, pure=False)
+
+        yield submit, n_workers
+
+
+def run(
+    params: PrepareParams,
+    raw: str | Path,
+    out: str | Path,
+    *,
+    workers: int | None = None,
+    scheduler_address: str | None = None,
+    device: str = "auto",
+    submit: Submit | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Prepare ``raw`` into the shard set ``out``; returns the run report (also written to report.json).
+
+    ``submit`` replaces the built-in Dask runner (the Prefect flow passes its task submission);
+    it must run ``process_chunk(paths, str(raw), params, device)`` and return a future.
+    """
+    raw, out = Path(raw), Path(out)
+    started = time.perf_counter()
+    items = check_inputs(raw, out)
+    scan_s = time.perf_counter() - started
+    paths = [item.path for item in items]
+    chunks = [paths[i : i + params.chunk_size] for i in range(0, len(paths), params.chunk_size)]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(out)
+        tmp = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as error:
+        raise FacepipeError(f"cannot write the output next to {out}: {error.strerror}") from None
+    log.info("prepare: %d files in %d chunks from %s", len(paths), len(chunks), raw)
+    builder = SetBuilder(tmp, params)
+    try:
+        if submit is None:
+            runner = dask_submitter(raw, params, workers=workers, scheduler_address=scheduler_address, device=device)
+        else:
+            runner = _given(submit, workers or default_workers())
+        with runner as (submit_chunk, n_workers), Progress(len(paths), desc="prepare", enabled=progress) as bar:
+            process_started = time.perf_counter()
+            for outcomes in ordered_results(submit_chunk, chunks, window=2 * n_workers + 1):
+                for outcome in outcomes:
+                    builder.add(outcome)
+                bar.update(len(outcomes))
+            process_s = time.perf_counter() - process_started
+        manifest = builder.finish(len(paths))
+        elapsed = time.perf_counter() - started
+        report = {
+            "counts": manifest["counts"],
+            "rejected_by_reason": manifest["rejected_by_reason"],
+            "num_identities": manifest["num_identities"],
+            "num_shards": len(manifest["shards"]),
+            "payload_bytes": builder.payload_bytes,
+            "shard_bytes": sum((tmp / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
+            "workers": n_workers,
+            "scheduler": scheduler_address or ("local" if submit is None else "custom"),
+            "timings_s": {"scan": round(scan_s, 3), "process": round(process_s, 3), "total": round(elapsed, 3)},
+            "images_per_s": round(len(paths) / max(process_s, 1e-9), 2),
+        }
+        (tmp / "report.json").write_text(dumps(report))
+        _publish(tmp, out)
+    except BaseException:
+        builder.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+@contextmanager
+def _given(submit: Submit, n_workers: int) -> Iterator[tuple[Submit, int]]:
+    yield submit, n_workers
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """``scanned N, accepted A, rejected R (reason n, ...) in T s, X images/s``."""
+    counts = report["counts"]
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(report["rejected_by_reason"].items(), key=lambda kv: -kv[1]))
+    return (
+        f"prepare: scanned {counts['scanned']}, accepted {counts['accepted']}, rejected {counts['rejected']}"
+        + (f" ({reasons})" if reasons else "")
+        + f"; {report['num_identities']} identities in {report['num_shards']} shard(s);"
+        + f" {report['timings_s']['total']:.1f} s, {report['images_per_s']:.1f} images/s on {report['workers']} worker(s)"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from facepipe.cli import add_params_argument
+
+    parser = subparsers.add_parser("prepare", help="raw face photos -> aligned faces in LMDB shards")
+    parser.add_argument("raw", type=Path, metavar="RAW", help="folder with one sub-folder per identity")
+    parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
+    add_params_argument(parser)
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="local worker processes (default: one per core)")
+    parser.add_argument("--scheduler-address", default=None, metavar="ADDR", help="use an existing Dask cluster")
+    parser.add_argument("--device", default="auto", help="detector device: auto, cpu, cuda, cuda:N")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        raise FacepipeError(f"--workers must be >= 1, got {args.workers}")
+    params = load_section(args.params, "prepare")
+    report = run(
+        params, args.raw, args.out, workers=args.workers, scheduler_address=args.scheduler_address, device=args.device
+    )
+    print(summary_line(report))
+    return 0
