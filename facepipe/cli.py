@@ -19,6 +19,9 @@ COMMAND_MODULES = (
     "facepipe.stages.sample_data",
     "facepipe.stages.prepare",
     "facepipe.stages.inspect",
+    "facepipe.stages.split",
+    "facepipe.stages.evaluate",
+    "facepipe.stages.export",
 )
 
 

@@ -6,7 +6,16 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from facepipe.errors import FacepipeError
 
@@ -46,6 +55,16 @@ class SampleDataParams(Section):
     images_per_identity: int = Field(8, ge=1)
     seed: int = 0
     bad_files: bool = True
+    # Photo sizes: each image's longer side is drawn from [min_side, max_side], its aspect up to 3:2.
+    # The face box is 28-50% of the shorter side, so min_side >= 160 keeps it above ~45 px.
+    min_side: int = Field(250, ge=160, le=4096, description="smallest image side, pixels")
+    max_side: int = Field(700, ge=160, le=4096, description="largest image side, pixels")
+
+    @model_validator(mode="after")
+    def _sides_ordered(self) -> SampleDataParams:
+        if self.min_side > self.max_side:
+            raise ValueError(f"min_side ({self.min_side}) must not exceed max_side ({self.max_side})")
+        return self
 
 
 class SplitParams(Section):
@@ -75,7 +94,7 @@ class EvaluateParams(Section):
     flip: bool = Field(True, description="add the embedding of the mirrored image before normalizing")
     folds: int = Field(10, ge=2, description="cross-validation folds for the accuracy")
     far_targets: tuple[float, ...] = Field((1e-3, 1e-4), description="false accept rates to report TAR at")
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
 
     @field_validator("far_targets")
     @classmethod
@@ -98,10 +117,95 @@ class ExportParams(Section):
     seed: int = 0
 
 
+BackboneName = Literal["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "inception_resnet_v1"]
+
+
+class AugmentParams(Section):
+    """``train.augment``: online augmentation; each ``p_*`` is the probability of applying one transform."""
+
+    p_hflip: float = Field(0.5, ge=0, le=1, description="horizontal flip")
+    p_color_jitter: float = Field(0.0, ge=0, le=1, description="brightness / contrast / saturation / hue jitter")
+    brightness: float = Field(0.2, ge=0, le=1, description="relative brightness change, +-")
+    contrast: float = Field(0.2, ge=0, le=1)
+    saturation: float = Field(0.2, ge=0, le=1)
+    hue: float = Field(0.0, ge=0, le=0.5, description="hue shift, fraction of the colour wheel, +-")
+    p_crop: float = Field(0.0, ge=0, le=1, description="random resized crop back to the stored size")
+    crop_scale: tuple[float, float] = Field((0.8, 1.0), description="kept area fraction, [min, max]")
+    crop_ratio: tuple[float, float] = Field((0.9, 1.1), description="aspect ratio of the crop, [min, max]")
+    p_blur: float = Field(0.0, ge=0, le=1, description="Gaussian blur")
+    blur_sigma: tuple[float, float] = Field((0.2, 1.5), description="blur sigma in pixels, [min, max]")
+    p_grayscale: float = Field(0.0, ge=0, le=1)
+    p_jpeg: float = Field(0.0, ge=0, le=1, description="re-encode as JPEG")
+    jpeg_quality: tuple[int, int] = Field((40, 95), description="JPEG quality, [min, max] in 1..100")
+
+    @field_validator("crop_scale", "crop_ratio", "blur_sigma", "jpeg_quality")
+    @classmethod
+    def _range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < value[0] <= value[1]:
+            raise ValueError("must be [min, max] with 0 < min <= max")
+        return value
+
+    @field_validator("crop_scale")
+    @classmethod
+    def _fraction(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if value[1] > 1:
+            raise ValueError("area fractions must be <= 1")
+        return value
+
+    @field_validator("jpeg_quality")
+    @classmethod
+    def _quality(cls, value: tuple[int, int]) -> tuple[int, int]:
+        if value[1] > 100:
+            raise ValueError("JPEG quality must be <= 100")
+        return value
+
+
+class TrainParams(Section):
+    """``train``: backbone + margin head on a prepared shard set, single process or torchrun DDP.
+
+    ``lr`` is the rate for ``reference_batch`` samples per optimizer step; the rate used is scaled
+    to the effective batch (``batch_size`` x processes x ``accum_steps``) by ``lr_scaling``.
+    """
+
+    backbone: BackboneName = "mobilefacenet"
+    embedding_size: int = Field(512, ge=2)
+    head: Literal["arcface", "cosface", "curricularface"] = "arcface"
+    scale: float = Field(64.0, gt=0, description="logit scale s of the margin head")
+    margin: float | None = Field(None, description="margin m of the head; null = the head's default")
+    gradient_checkpointing: bool = False
+    epochs: int = Field(20, ge=1)
+    batch_size: int = Field(128, ge=1, description="samples per process per micro-step")
+    accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0, description="learning rate for reference_batch samples per step")
+    reference_batch: int = Field(512, ge=1)
+    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; AdamW beta1")
+    weight_decay: float = Field(5e-4, ge=0, description="not applied to biases and norm / PReLU weights")
+    warmup_epochs: float = Field(1.0, ge=0, description="linear warmup from 0, in epochs (fractions allowed)")
+    decay: Literal["cosine", "poly"] = "cosine"
+    poly_power: float = Field(2.0, gt=0, description="exponent of the polynomial decay")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate / peak learning rate")
+    grad_clip: float | None = Field(None, gt=0, description="max global gradient norm; null = no clipping")
+    amp: Literal["off", "bf16", "fp16"] = Field("off", description="autocast dtype; fp16 (with loss scaling) on CUDA only")
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field("none", description="DDP gradient compression")
+    powersgd_rank: int = Field(1, ge=1, description="matrix approximation rank of PowerSGD")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when available")
+    nproc_per_node: int = Field(1, ge=1, description="processes per node that dvc.yaml passes to torchrun")
+    num_workers: int = Field(2, ge=0, description="data loader processes per training process")
+    shuffle_buffer: int = Field(4096, ge=1, description="samples shuffled together after shuffling the shard order")
+    checkpoint_every: int = Field(1000, ge=0, description="optimizer steps between checkpoints (0 = epoch ends only)")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(20, ge=1, description="optimizer steps between metric points")
+    seed: int = 0
+    augment: AugmentParams = AugmentParams()
+
+
 SECTIONS: dict[str, type[Section]] = {
     "prepare": PrepareParams,
     "sample_data": SampleDataParams,
     "split": SplitParams,
+    "train": TrainParams,
     "evaluate": EvaluateParams,
     "export": ExportParams,
 }

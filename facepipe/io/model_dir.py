@@ -16,11 +16,10 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from torch import nn
 
 from facepipe.errors import FacepipeError
 from facepipe.io.manifest import dumps
-from facepipe.models import create_backbone
+from facepipe.models import Backbone, create_backbone
 
 WEIGHTS_FILE = "backbone.pt"
 SPEC_FILE = "model.json"
@@ -58,7 +57,7 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
         raise FacepipeError(f"{path}: unreadable ({error})") from None
 
 
-def save_model_dir(model_dir: str | Path, model: nn.Module, spec: ModelSpec) -> None:
+def save_model_dir(model_dir: str | Path, model: torch.nn.Module, spec: ModelSpec) -> None:
     """Write ``backbone.pt`` (state_dict of ``model``) and ``model.json`` into ``model_dir``."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +65,7 @@ def save_model_dir(model_dir: str | Path, model: nn.Module, spec: ModelSpec) -> 
     write_model_spec(model_dir, spec)
 
 
-def load_backbone(model_dir: str | Path, *, device: torch.device | str = "cpu") -> tuple[nn.Module, ModelSpec]:
+def load_backbone(model_dir: str | Path, *, device: torch.device | str = "cpu") -> tuple[Backbone, ModelSpec]:
     """Rebuild the backbone described by ``model.json`` with the weights of ``backbone.pt``, in eval mode."""
     model_dir = Path(model_dir)
     spec = read_model_spec(model_dir)
@@ -74,24 +73,9 @@ def load_backbone(model_dir: str | Path, *, device: torch.device | str = "cpu") 
     if not weights.is_file():
         raise FacepipeError(f"model folder has no {WEIGHTS_FILE}: {model_dir}")
     try:
-        model = create_backbone(spec.backbone, embedding_size=spec.embedding_size, image_size=spec.image_size)
-    except (KeyError, ValueError) as error:
-        raise FacepipeError(f"{model_dir / SPEC_FILE}: cannot build backbone {spec.backbone!r} ({error})") from None
-    try:
-        state = torch.load(weights, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises many kinds for corrupt or non-tensor files
-        raise FacepipeError(f"{weights}: not a loadable state_dict ({type(error).__name__})") from None
-    if not isinstance(state, dict):
-        raise FacepipeError(f"{weights}: expected a state_dict, found {type(state).__name__}")
-    try:
-        result = model.load_state_dict(state, strict=False)
-    except RuntimeError as error:  # shape mismatches are raised even when strict=False
-        detail = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), str(error))
-        raise FacepipeError(f"{weights} does not fit {spec.backbone}: {detail}") from None
-    if result.missing_keys or result.unexpected_keys:
-        example = (result.missing_keys or result.unexpected_keys)[0]
-        raise FacepipeError(
-            f"{weights} does not fit {spec.backbone} (embedding_size {spec.embedding_size}): "
-            f"{len(result.missing_keys)} missing and {len(result.unexpected_keys)} unexpected keys, e.g. {example!r}"
+        model = create_backbone(
+            spec.backbone, embedding_size=spec.embedding_size, image_size=spec.image_size, weights=weights
         )
+    except ValueError as error:  # an unknown backbone name; weight problems are FacepipeErrors already
+        raise FacepipeError(f"{model_dir / SPEC_FILE}: {error}") from None
     return model.to(device).eval(), spec

@@ -158,37 +158,55 @@ class ShardWriter:
             self.on_shard(info)
 
 
+_readonly_envs: dict[tuple[int, int], lmdb.Environment] = {}
+
+
+def _forget_inherited_envs() -> None:
+    # An LMDB environment must not be used across fork(), and py-lmdb refuses to open a file again in
+    # a child that inherited it open. Closing the child's copy of a read-only, lock-free environment
+    # releases nothing the parent holds (no lock table; munmap and close act on this process only).
+    for env in _readonly_envs.values():
+        env.close()
+    _readonly_envs.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_envs)
+
+
+def readonly_env(path: Path) -> lmdb.Environment:
+    """The process-wide read-only environment of shard file ``path`` (one per file, opened on first use)."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise ShardSetError(f"shard missing: {path}") from None
+    key = (stat.st_dev, stat.st_ino)  # a file replaced at the same path is a different shard
+    env = _readonly_envs.get(key)
+    if env is None:
+        try:
+            env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, max_readers=1024)
+        except lmdb.Error as error:
+            raise ShardSetError(f"shard unreadable: {path} ({error})") from None
+        _readonly_envs[key] = env
+    return env
+
+
 class ShardReader:
-    """Read-only access to one shard; the LMDB environment is opened lazily, once per process."""
+    """Read-only access to one shard; the LMDB environment is opened lazily, once per process and file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._env: lmdb.Environment | None = None
-        self._pid = -1
         self._len: int | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "_env": None, "_pid": -1, "_len": self._len}
 
     @property
     def env(self) -> lmdb.Environment:
-        if self._env is None or self._pid != os.getpid():
-            # An environment must never cross a fork: open a fresh one in each process.
-            if not self.path.is_file():
-                raise ShardSetError(f"shard missing: {self.path}")
-            try:
-                self._env = lmdb.open(
-                    str(self.path), subdir=False, readonly=True, lock=False, readahead=False, max_readers=1024
-                )
-            except lmdb.Error as error:
-                raise ShardSetError(f"shard unreadable: {self.path} ({error})") from None
-            self._pid = os.getpid()
-        return self._env
+        return readonly_env(self.path)
 
     def close(self) -> None:
-        if self._env is not None and self._pid == os.getpid():
-            self._env.close()
-        self._env = None
+        """Close this file's environment in this process (other readers of it reopen on next use)."""
+        for key, env in list(_readonly_envs.items()):
+            if env.path() == str(self.path):
+                env.close()
+                del _readonly_envs[key]
 
     def meta(self) -> dict[str, Any]:
         with self.env.begin() as txn:
