@@ -13,6 +13,9 @@ OFFLINE_ENV: dict[str, str] = {
     "NO_ALBUMENTATIONS_UPDATE": "1",
     "DVC_NO_ANALYTICS": "1",
     "HF_HUB_OFFLINE": "1",
+    # Not network, but the same place: the temporary local Prefect server migrates its SQLite
+    # database on first start, which takes longer than Prefect's default wait on a busy 2-core box.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
 }
 
 

@@ -37,8 +37,9 @@ Submit = Callable[[list[str]], FutureLike]
 _PARTIAL = ".partial-"
 
 
-def check_inputs(raw: Path, out: Path) -> list[ScanItem]:
-    """Validate RAW and OUT before any work; returns the scan. Raises FacepipeError."""
+def check_paths(raw: str | Path, out: str | Path) -> None:
+    """Cheap checks of RAW and OUT, before any scan, cluster or server starts. Raises FacepipeError."""
+    raw, out = Path(raw), Path(out)
     if not raw.is_dir():
         raise FacepipeError(f"raw folder not found: {raw}")
     if out.exists() and not out.is_dir():
@@ -47,6 +48,11 @@ def check_inputs(raw: Path, out: Path) -> list[ScanItem]:
         raise FacepipeError(f"output folder exists, is not empty and is not a shard set; refusing to replace it: {out}")
     if out.resolve().is_relative_to(raw.resolve()):
         raise FacepipeError(f"output {out} lies inside the raw folder {raw}")
+
+
+def check_inputs(raw: Path, out: Path) -> list[ScanItem]:
+    """Validate RAW and OUT before any work; returns the scan. Raises FacepipeError."""
+    check_paths(raw, out)
     items = scan_raw(raw)
     if not any(looks_like_image(item.path) for item in items):
         raise FacepipeError(f"no images found under {raw}")
