@@ -1,0 +1,43 @@
+# facepipe: `make demo` runs the whole pipeline on the built-in sample data; `make test` runs the tests.
+# Both install into .venv on first use (torch 2.14.1 / torchvision 0.29.1 from the local wheel cache).
+
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(abspath $(VENV))/bin
+STAMP := $(VENV)/.installed-stamp
+
+export PATH := $(BIN):$(PATH)
+export DO_NOT_TRACK := 1
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export NO_ALBUMENTATIONS_UPDATE := 1
+export DVC_NO_ANALYTICS := 1
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast bench clean-demo
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev,export]'
+	touch $(STAMP)
+
+demo: install
+	test -d data/raw || facepipe sample-data data/raw --params params.yaml
+	dvc add --quiet data/raw
+	dvc repro
+	@facepipe inspect data/prepared
+
+test: install
+	python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: install
+	python -m pytest -q -m "not slow and not multiprocess" $(PYTEST_ARGS)
+
+bench: install
+	python benchmarks/prepare_bench.py
+
+clean-demo:
+	rm -rf data/raw data/prepared
