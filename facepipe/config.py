@@ -201,7 +201,22 @@ class TrainParams(Section):
     augment: AugmentParams = AugmentParams()
 
 
+class PipelineParams(Section):
+    """``pipeline``: the scheduled reprocessing deployment (``flows/deploy.py``)."""
+
+    cron: str = Field("0 3 * * *", description="when the deployment reprocesses (cron, server time zone)")
+    raw: str = Field("data/raw", description="DVC-tracked raw data folder, relative to the project")
+
+    @field_validator("cron")
+    @classmethod
+    def _cron(cls, value: str) -> str:
+        if len(value.split()) not in (5, 6):
+            raise ValueError(f"not a cron expression: {value!r}")
+        return value
+
+
 SECTIONS: dict[str, type[Section]] = {
+    "pipeline": PipelineParams,
     "prepare": PrepareParams,
     "sample_data": SampleDataParams,
     "split": SplitParams,

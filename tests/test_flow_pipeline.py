@@ -1,0 +1,99 @@
+"""The reprocessing flow on a small real DVC project: stages through DVC, metrics artifact, failures named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+STAGE = (
+    "python -c \"import json,pathlib,sys; files=sorted(pathlib.Path('data/raw').iterdir()); "
+    "pathlib.Path('out').mkdir(exist_ok=True); "
+    "json.dump({{'files': len(files), 'stage': '{name}'}}, open('out/{name}.json','w'))\""
+)
+
+
+def make_project(root: Path, *, failing: bool = False) -> Path:
+    root.mkdir()
+    run = lambda *cmd: subprocess.run(cmd, cwd=root, check=True, capture_output=True)  # noqa: E731
+    run("git", "init", "-q")
+    run(sys.executable, "-m", "dvc", "init", "-q")
+    run(sys.executable, "-m", "dvc", "config", "core.analytics", "false")
+    (root / "data" / "raw").mkdir(parents=True)
+    (root / "data" / "raw" / "a.txt").write_text("a")
+    stages = {
+        "count": {"cmd": STAGE.format(name="count"), "deps": ["data/raw"], "outs": [{"out/count.json": {"cache": False}}]},
+        "report": {
+            "cmd": "exit 3" if failing else "python -c \"import json; d=json.load(open('out/count.json')); "
+            "json.dump({'files': d['files'], 'acc': 0.5}, open('metrics.json','w'))\"",
+            "deps": ["out/count.json"],
+            "metrics": [{"metrics.json": {"cache": False}}],
+        },
+    }
+    (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    return root
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def dvc_status_clean(root: Path) -> bool:
+    out = subprocess.run([sys.executable, "-m", "dvc", "status"], cwd=root, capture_output=True, text=True)
+    return out.returncode == 0 and "up to date" in out.stdout
+
+
+def test_pipeline_runs_through_dvc_and_publishes_metrics(harness, tmp_path):
+    from prefect import get_client
+
+    from flows.pipeline import pipeline_flow
+
+    root = make_project(tmp_path / "proj")
+    result = pipeline_flow(project=str(root))
+    assert result["raw_changed"] is True and result["stages"] == ["count", "report"]
+    assert result["up_to_date"] and dvc_status_clean(root)
+    assert {"file": "metrics.json", "metric": "files", "value": 1} in result["metrics"]
+    with get_client(sync_client=True) as client:
+        artifact = client.read_latest_artifacts()
+        assert any(a.key == "facepipe-metrics" for a in artifact)
+
+    # nothing new: nothing reruns
+    again = pipeline_flow(project=str(root))
+    assert again["raw_changed"] is False and again["up_to_date"]
+
+    # new raw data: recorded by DVC, stages rerun, metrics follow
+    (root / "data" / "raw" / "b.txt").write_text("b")
+    third = pipeline_flow(project=str(root))
+    assert third["raw_changed"] is True
+    assert {"file": "metrics.json", "metric": "files", "value": 2} in third["metrics"]
+    assert dvc_status_clean(root)
+
+
+def test_a_failing_stage_fails_the_flow_and_is_named(harness, tmp_path):
+    from flows.pipeline import pipeline_flow
+
+    root = make_project(tmp_path / "proj", failing=True)
+    state = pipeline_flow(project=str(root), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="stage 'report' failed"):
+        state.result()
+    assert (root / "out" / "count.json").exists()  # the stages before it ran
+
+
+def test_missing_raw_data_is_named(harness, tmp_path):
+    from flows.pipeline import pipeline_flow
+
+    root = make_project(tmp_path / "proj")
+    state = pipeline_flow(project=str(root), raw="data/nope", return_state=True)
+    assert state.is_failed()
+    with pytest.raises(Exception, match="data/nope does not exist"):
+        state.result()
