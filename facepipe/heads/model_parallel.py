@@ -1,0 +1,161 @@
+"""The model-parallel margin head: class centres sharded across ranks (Partial FC, sample rate 1).
+
+Each rank holds the centres of a contiguous class range, sees the embeddings of the global batch
+(all-gathered) and computes logits for its classes only; the softmax cross-entropy is assembled
+across ranks from an all-reduced max, sum of exponentials and target logit. Memory for the
+centres and the logits falls by the number of ranks, which is what makes millions of identities
+trainable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from facepipe.heads.margins import Margin, compute_dtype, gather_targets, normalized_cosines
+
+_INIT_STD = 0.01
+
+
+def class_shard(num_classes: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(first class, number of classes)`` held by ``rank``: the first ``C mod W`` ranks hold one more."""
+    base, extra = divmod(num_classes, world_size)
+    return base * rank + min(rank, extra), base + int(rank < extra)
+
+
+class _AllGather(torch.autograd.Function):
+    """``[B, E]`` on each rank -> ``[W·B, E]`` in rank order, on every rank.
+
+    Backward sums the gradients all ranks computed for this rank's rows and multiplies by ``W``:
+    every rank's loss is the same global mean, and DDP then divides the backbone gradient by ``W``;
+    with the factor, the backbone gets exactly the gradient of the global-batch loss, the same as
+    with the dense head and a per-rank mean loss.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(tensor) for _ in range(world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        ctx.group, ctx.rank, ctx.world_size, ctx.rows = group, rank, world_size, tensor.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # all_reduce works in place; autograd may still own ``grad``
+        grad = grad.contiguous().clone()
+        # an all-reduce then a slice (not reduce_scatter) so that gloo works too
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        start = ctx.rank * ctx.rows
+        return grad[start : start + ctx.rows] * ctx.world_size, None
+
+
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """Mean softmax cross-entropy over logits split by columns across ranks -> the same scalar on all.
+
+    ``logits`` ``[N, K_rank]``; ``labels`` ``[N]`` int64, the column on this rank or -1.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        # subtracting the global row max keeps exp() finite at scale 64 (logits up to ±64)
+        row_max = logits.max(dim=1, keepdim=True).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=1, keepdim=True)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        # each row's target column lives on exactly one rank; the others contribute 0
+        target = gather_targets(shifted, labels)
+        dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+        ctx.save_for_backward(exp / sum_exp, labels)
+        return (sum_exp.squeeze(1).log() - target).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        probabilities, labels = ctx.saved_tensors
+        has_target = (labels >= 0).to(probabilities.dtype).unsqueeze(1)
+        grad_logits = probabilities.scatter_add(1, labels.clamp_min(0).unsqueeze(1), -has_target)
+        return grad_logits * (grad / labels.shape[0]), None, None
+
+
+class ModelParallelMarginHead(nn.Module):
+    """Class centres sharded across the ranks of ``process_group``; returns the loss, not logits.
+
+    Rank ``r`` holds ``weight`` ``[n_r, E]`` for classes ``[class_start, class_start + n_r)``
+    (``class_shard``). ``forward`` is a collective: every rank calls it with the same batch size.
+    The head is not wrapped in DDP (its parameters differ per rank); the backbone is.
+    """
+
+    def __init__(
+        self,
+        margin: Margin,
+        *,
+        embedding_size: int,
+        num_classes: int,
+        scale: float,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("the model-parallel head needs an initialized process group")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        if num_classes < self.world_size:
+            raise ValueError(f"num_classes ({num_classes}) must be at least the number of ranks ({self.world_size})")
+        self.num_classes = num_classes
+        self.class_start, self.num_local = class_shard(num_classes, self.rank, self.world_size)
+        self.scale = float(scale)
+        # target_cos below already covers the global batch: no second reduction of statistics
+        margin.sync_statistics = False
+        self.margin = margin
+        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_size))
+        nn.init.normal_(self.weight, std=_INIT_STD)
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``[B, E]`` float and ``[B]`` int64 in [0, C) -> scalar float32 loss, equal on all ranks.
+
+        The loss is the mean margin cross-entropy over the global batch (all ranks' samples).
+        """
+        group = self.process_group
+        embeddings = embeddings.to(compute_dtype(embeddings.dtype))
+        all_embeddings = _AllGather.apply(embeddings, group)
+        label_parts = [torch.empty_like(labels, dtype=torch.long) for _ in range(self.world_size)]
+        dist.all_gather(label_parts, labels.long().contiguous(), group=group)
+        local = torch.cat(label_parts) - self.class_start
+        local = torch.where((local >= 0) & (local < self.num_local), local, torch.full_like(local, -1))
+
+        cos = normalized_cosines(all_embeddings, self.weight)
+        target_cos = gather_targets(cos.detach(), local)
+        dist.all_reduce(target_cos, op=dist.ReduceOp.SUM, group=group)
+        logits = self.margin(cos, local, target_cos) * self.scale
+        return _ShardedCrossEntropy.apply(logits, local, group)
+
+    @torch.no_grad()
+    def gather_weight(self) -> torch.Tensor:
+        """All class centres ``[C, E]`` on every rank (a collective): for rank-count-free checkpoints."""
+        rows = class_shard(self.num_classes, 0, self.world_size)[1]
+        padded = self.weight.new_zeros(rows, self.weight.shape[1])
+        padded[: self.num_local] = self.weight
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded, group=self.process_group)
+        counts = [class_shard(self.num_classes, rank, self.world_size)[1] for rank in range(self.world_size)]
+        return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
+    @torch.no_grad()
+    def load_full_weight(self, weight: torch.Tensor) -> None:
+        """Take this rank's rows of all class centres ``[C, E]`` (as from ``gather_weight``)."""
+        if weight.shape != (self.num_classes, self.weight.shape[1]):
+            raise ValueError(f"expected class centres {[self.num_classes, self.weight.shape[1]]}, got {list(weight.shape)}")
+        self.weight.copy_(weight[self.class_start : self.class_start + self.num_local])
+
+    def extra_repr(self) -> str:
+        return (
+            f"embedding_size={self.weight.shape[1]}, num_classes={self.num_classes}, scale={self.scale}, "
+            f"classes=[{self.class_start}, {self.class_start + self.num_local}) of rank {self.rank}/{self.world_size}"
+        )

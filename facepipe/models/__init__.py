@@ -1,0 +1,19 @@
+"""Backbones: a registry of face-embedding networks (DESIGN.md, "train").
+
+``create_backbone(name, ...)`` builds one; every backbone maps ``[B, 3, S, S]`` float images in
+[-1, 1] to ``[B, embedding_size]`` float embeddings (not normalized).
+"""
+
+# Importing the architecture modules fills the registry.
+from facepipe.models import inception, iresnet, mobilefacenet  # noqa: F401
+from facepipe.models.backbone import Backbone, WeightsError
+from facepipe.models.registry import Registry, create_backbone, list_backbones, register_backbone
+
+__all__ = [
+    "Backbone",
+    "Registry",
+    "WeightsError",
+    "create_backbone",
+    "list_backbones",
+    "register_backbone",
+]
