@@ -1,0 +1,116 @@
+"""Export a backbone to ONNX and TorchScript, and check each file against the PyTorch model.
+
+Both formats take ``input`` [batch, 3, S, S] float32 RGB in [-1, 1] (pixel / 127.5 - 1) and give
+``embedding`` [batch, E] float32, not normalized; the batch axis is dynamic.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+Format = Literal["onnx", "torchscript"]
+FILE_NAMES: dict[str, str] = {"onnx": "backbone.onnx", "torchscript": "backbone.torchscript.pt"}
+INPUT_NAME = "input"
+OUTPUT_NAME = "embedding"
+_TRACE_BATCH = 2  # the example batch; checks use another size, so a fixed batch axis would fail them
+
+
+@dataclass(frozen=True)
+class Check:
+    """How far an exported model's outputs are from PyTorch's on the same random batch."""
+
+    max_abs_diff: float
+    passed: bool
+
+
+def random_batch(batch_size: int, image_size: int, *, seed: int) -> torch.Tensor:
+    """[batch_size, 3, image_size, image_size] float32 uniform in [-1, 1], reproducible from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(batch_size, 3, image_size, image_size, generator=generator) * 2 - 1
+
+
+@contextmanager
+def _legacy_torch_apis() -> Iterator[None]:
+    # The TorchScript-based ONNX exporter and torch.jit warn that they are deprecated. They are
+    # chosen on purpose: the torch.export-based exporter needs onnxscript, which is not a dependency.
+    # Some of the warnings are attributed to the caller, so filter by category, only in this scope.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def export_onnx(model: nn.Module, path: str | Path, *, image_size: int, opset: int) -> None:
+    """Write ``model`` (eval mode, CPU) as an ONNX file with a dynamic batch axis."""
+    example = random_batch(_TRACE_BATCH, image_size, seed=0)
+    with _legacy_torch_apis():
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=False,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+            opset_version=opset,
+        )
+
+
+def export_torchscript(model: nn.Module, path: str | Path, *, image_size: int) -> None:
+    """Write ``model`` (eval mode, CPU) traced to TorchScript."""
+    example = random_batch(_TRACE_BATCH, image_size, seed=0)
+    with _legacy_torch_apis(), torch.no_grad():
+        torch.jit.save(torch.jit.trace(model, example), str(path))
+
+
+def run_onnx(path: str | Path, batch: torch.Tensor) -> np.ndarray:
+    """Embeddings [B, E] float32 of ``batch`` ([B, 3, S, S]) by onnxruntime on the CPU."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run([OUTPUT_NAME], {INPUT_NAME: batch.numpy()})[0]
+
+
+def run_torchscript(path: str | Path, batch: torch.Tensor) -> np.ndarray:
+    """Embeddings [B, E] float32 of ``batch`` ([B, 3, S, S]) by the saved TorchScript module."""
+    with _legacy_torch_apis(), torch.no_grad():
+        return torch.jit.load(str(path), map_location="cpu")(batch).numpy()
+
+
+def compare(exported: np.ndarray, reference: np.ndarray, *, atol: float, rtol: float) -> Check:
+    """Passes where every ``|exported - reference| <= atol + rtol * |reference|`` (and shapes match)."""
+    if exported.shape != reference.shape:
+        return Check(max_abs_diff=float("inf"), passed=False)
+    diff = np.abs(exported.astype(np.float64) - reference)
+    return Check(max_abs_diff=float(diff.max()), passed=bool(np.all(diff <= atol + rtol * np.abs(reference))))
+
+
+def export_and_check(
+    model: nn.Module,
+    fmt: Format,
+    path: str | Path,
+    *,
+    image_size: int,
+    check_batch: torch.Tensor,
+    reference: np.ndarray,
+    atol: float,
+    rtol: float,
+    opset: int = 17,
+) -> Check:
+    """Export ``model`` in ``fmt`` to ``path``, run the file on ``check_batch`` and compare with ``reference``."""
+    if fmt == "onnx":
+        export_onnx(model, path, image_size=image_size, opset=opset)
+        exported = run_onnx(path, check_batch)
+    else:
+        export_torchscript(model, path, image_size=image_size)
+        exported = run_torchscript(path, check_batch)
+    return compare(exported, reference, atol=atol, rtol=rtol)

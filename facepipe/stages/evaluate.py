@@ -1,0 +1,250 @@
+"""The evaluate stage: a trained backbone + a shard set + verification pairs -> metrics and a ROC.
+
+Pairs come from the split stage (``pairs.jsonl``: global sample indexes, checked against the
+samples' paths) or from an LFW-format ``pairs.txt`` (names and 1-based image numbers, matched to
+records whose path ends in ``name/name_000N.jpg``). Each image is embedded once however many pairs
+it is in.
+
+Outputs::
+
+    OUT/metrics.json   10-fold accuracy (mean, std, per fold), best threshold, AUC, TAR@FAR, counts
+    OUT/roc.csv        fpr,tpr,threshold (thinned to the curve's corners), for ``dvc plots``
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import logging
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+import torch
+
+from facepipe.config import EvaluateParams, load_section
+from facepipe.detection.mtcnn import resolve_device
+from facepipe.errors import FacepipeError
+from facepipe.evaluation.embed import embed_images
+from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
+from facepipe.evaluation.verification import VerificationResult, cosine_scores, thin_roc, verification_metrics
+from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.manifest import dumps
+from facepipe.io.model_dir import load_backbone
+from facepipe.io.shards import ShardSet
+
+log = logging.getLogger("facepipe.evaluate")
+
+METRICS_FILE = "metrics.json"
+ROC_FILE = "roc.csv"
+_SHOWN = 3  # example images named in an error
+
+
+def _examples(items: list[str]) -> str:
+    return ", ".join(items[:_SHOWN]) + (", ..." if len(items) > _SHOWN else "")
+
+
+def resolve_split_pairs(text: str, source: Path, shard_set: ShardSet) -> tuple[np.ndarray, np.ndarray]:
+    """``pairs.jsonl`` -> ([P, 2] int64 sample indexes, [P] bool same), every index checked by its path."""
+    try:
+        pairs = parse_pairs_jsonl(text)
+    except ValueError as error:
+        raise FacepipeError(f"{source}: {error}") from None
+    expected = {(p.index1, p.path1) for p in pairs} | {(p.index2, p.path2) for p in pairs}
+    unknown = []
+    for index, path in sorted(expected):
+        if not 0 <= index < len(shard_set):
+            unknown.append(f"#{index} {path} (out of range)")
+        elif shard_set.record(index).path != path:
+            unknown.append(f"#{index} {path}")
+    if unknown:
+        raise FacepipeError(
+            f"{source}: {len(unknown)} of {len(expected)} images are not in {shard_set.root} "
+            f"({_examples(unknown)}); were the pairs made from this shard set?"
+        )
+    indexes = np.asarray([(p.index1, p.index2) for p in pairs], dtype=np.int64).reshape(-1, 2)
+    return indexes, np.asarray([p.same for p in pairs], dtype=bool)
+
+
+def resolve_lfw_pairs(text: str, source: Path, shard_set: ShardSet) -> tuple[np.ndarray, np.ndarray]:
+    """LFW ``pairs.txt`` -> ([P, 2] int64 sample indexes, [P] bool same).
+
+    Only the records of the named identities are read (found through the label index), and only
+    their headers are used.
+    """
+    try:
+        named = parse_lfw_pairs(text)
+    except ValueError as error:
+        raise FacepipeError(f"{source}: {error}") from None
+    label_of = {name: label for label, name in enumerate(shard_set.identities)}
+    wanted = [label_of[n] for n in sorted({p.name1 for p in named} | {p.name2 for p in named}) if n in label_of]
+    index_of = {}
+    for index in np.flatnonzero(np.isin(shard_set.labels(), wanted)).tolist():
+        # The raw root may sit above the LFW folder: match on "name/name_000N.jpg" only.
+        key = "/".join(PurePosixPath(shard_set.record(index).path).parts[-2:])
+        index_of[key] = index
+    keys = [(lfw_image_key(p.name1, p.number1), lfw_image_key(p.name2, p.number2)) for p in named]
+    missing = sorted({key for pair in keys for key in pair if key not in index_of})
+    if missing:
+        total = len({key for pair in keys for key in pair})
+        raise FacepipeError(
+            f"{source}: {len(missing)} of {total} images are not in {shard_set.root} ({_examples(missing)}); "
+            f"prepare may have rejected them (see its rejects.jsonl)"
+        )
+    indexes = np.asarray([(index_of[a], index_of[b]) for a, b in keys], dtype=np.int64).reshape(-1, 2)
+    return indexes, np.asarray([p.same for p in named], dtype=bool)
+
+
+def load_pairs(path: Path, shard_set: ShardSet) -> tuple[str, np.ndarray, np.ndarray]:
+    """(format, [P, 2] int64 sample indexes, [P] bool same) of the pairs file at ``path``."""
+    if not path.is_file():
+        raise FacepipeError(f"pairs file not found: {path}")
+    readers = {".jsonl": ("facepipe", resolve_split_pairs), ".txt": ("lfw", resolve_lfw_pairs)}
+    if path.suffix not in readers:
+        raise FacepipeError(f"{path}: unknown pairs format; expected split's .jsonl or an LFW-style .txt")
+    kind, resolve = readers[path.suffix]
+    indexes, same = resolve(path.read_text(), path, shard_set)
+    return kind, indexes, same
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def far_key(far: float) -> str:
+    """``0.001`` -> ``"1e-3"``, ``0.0015`` -> ``"1.5e-3"``: the suffix of the TAR@FAR entries of metrics.json."""
+    return np.format_float_scientific(far, trim="-", exp_digits=1)
+
+
+def metrics_dict(result: VerificationResult, **extra: Any) -> dict[str, Any]:
+    """metrics.json: flat scalars for ``dvc metrics`` (``extra`` among them), per-fold lists and notes."""
+    metrics: dict[str, Any] = {
+        "accuracy_mean": _round(result.accuracy_mean),
+        "accuracy_std": _round(result.accuracy_std),
+        "fold_accuracies": [_round(a) for a in result.fold_accuracies],
+        "fold_thresholds": [_round(t) for t in result.fold_thresholds],
+        "best_threshold": _round(result.best_threshold),
+        "best_accuracy": _round(result.best_accuracy),
+        "auc": _round(result.auc),
+        "num_same": result.num_positive,
+        "num_different": result.num_negative,
+        **extra,
+    }
+    notes = []
+    for far, tar in result.tar_at_far.items():
+        metrics[f"tar_at_far_{far_key(far)}"] = None if tar is None else _round(tar.tar)
+        metrics[f"threshold_at_far_{far_key(far)}"] = None if tar is None else _round(tar.threshold)
+        if tar is None:
+            notes.append(
+                f"TAR@FAR={far_key(far)} not measurable: needs >= {int(np.ceil(1 / far))} different pairs, "
+                f"have {result.num_negative}"
+            )
+    metrics["notes"] = notes
+    return metrics
+
+
+def roc_csv(result: VerificationResult) -> str:
+    """``fpr,tpr,threshold`` rows, thinned to the corners of the curve; the first threshold is inf."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["fpr", "tpr", "threshold"])
+    for fpr, tpr, threshold in zip(*thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)):
+        writer.writerow([f"{fpr:.6f}", f"{tpr:.6f}", "inf" if np.isinf(threshold) else f"{threshold:.6f}"])
+    return buffer.getvalue()
+
+
+def run(
+    params: EvaluateParams,
+    model_dir: str | Path,
+    prepared: str | Path,
+    out: str | Path,
+    *,
+    pairs: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate the backbone in ``model_dir`` on verification pairs of ``prepared``; returns metrics.json.
+
+    ``pairs`` overrides ``params.pairs``.
+    """
+    pairs_path = Path(pairs if pairs is not None else params.pairs)
+    device = resolve_device(params.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FacepipeError("evaluate.device is 'cuda' but no CUDA device is available")
+    shard_set = ShardSet(prepared)
+    kind, indexes, same = load_pairs(pairs_path, shard_set)
+    num_same, num_different = int(same.sum()), int((~same).sum())
+    if min(num_same, num_different) < params.folds:
+        raise FacepipeError(
+            f"{pairs_path}: {params.folds} folds need at least {params.folds} same and {params.folds} different "
+            f"pairs, have {num_same} and {num_different}"
+        )
+    model, spec = load_backbone(model_dir, device=device)
+    image_size = shard_set.manifest.get("image", {}).get("size")
+    if image_size != spec.image_size:
+        raise FacepipeError(f"model expects {spec.image_size}px faces, shard set {prepared} holds {image_size}px")
+
+    images, inverse = np.unique(indexes, return_inverse=True)
+    inverse = inverse.reshape(indexes.shape)
+    log.info("evaluate: %d pairs, %d distinct images, flip=%s on %s", len(indexes), len(images), params.flip, device)
+    embeddings = embed_images(
+        model,
+        (shard_set.record(int(i)).image() for i in images),
+        count=len(images),
+        batch_size=params.batch_size,
+        flip=params.flip,
+        device=device,
+        progress=progress,
+    )
+    scores = cosine_scores(embeddings[inverse[:, 0]], embeddings[inverse[:, 1]])
+    result = verification_metrics(scores, same, folds=params.folds, far_targets=params.far_targets)
+    metrics = metrics_dict(
+        result,
+        num_pairs=len(indexes),
+        num_images=len(images),
+        folds=params.folds,
+        flip=params.flip,
+        pairs_format=kind,
+    )
+    with atomic_output_dir(out) as tmp:
+        (tmp / METRICS_FILE).write_text(dumps(metrics))
+        (tmp / ROC_FILE).write_text(roc_csv(result))
+    for note in metrics["notes"]:
+        log.info("evaluate: %s", note)
+    return metrics
+
+
+def summary_line(metrics: dict[str, Any]) -> str:
+    tars = ", ".join(
+        f"TAR@FAR={key.removeprefix('tar_at_far_')} {'n/a' if value is None else f'{value:.4f}'}"
+        for key, value in metrics.items()
+        if key.startswith("tar_at_far_")
+    )
+    return (
+        f"evaluate: accuracy {metrics['accuracy_mean']:.4f} ± {metrics['accuracy_std']:.4f} "
+        f"({metrics['folds']}-fold), AUC {metrics['auc']:.4f}, {tars} on {metrics['num_pairs']} pairs"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from facepipe.cli import add_params_argument
+
+    parser = subparsers.add_parser("evaluate", help="verification accuracy, ROC and TAR@FAR of a trained backbone")
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
+    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set holding the pair images")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    parser.add_argument(
+        "--pairs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="pairs.jsonl from split or LFW pairs.txt (default: evaluate.pairs)",
+    )
+    add_params_argument(parser)
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    params = load_section(args.params, "evaluate")
+    print(summary_line(run(params, args.model, args.prepared, args.out, pairs=args.pairs)))
+    return 0

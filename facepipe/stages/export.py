@@ -1,0 +1,116 @@
+"""The export stage: a model folder -> ONNX and TorchScript files, each checked against PyTorch.
+
+Outputs::
+
+    OUT/backbone.onnx             (format "onnx")
+    OUT/backbone.torchscript.pt   (format "torchscript")
+    OUT/export.json               input/output contract, files, sha256 and the check of each file
+
+A file whose outputs differ from PyTorch's by more than the tolerance fails the stage, and then
+nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from facepipe.config import ExportParams, load_section
+from facepipe.errors import FacepipeError
+from facepipe.exporting import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
+from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.manifest import dumps
+from facepipe.io.model_dir import load_backbone
+from facepipe.io.shards import sha256_file
+
+log = logging.getLogger("facepipe.export")
+
+REPORT_FILE = "export.json"
+
+
+def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[str, Any]:
+    """Export the backbone in ``model_dir`` into ``out``; returns the report (also ``export.json``)."""
+    model, spec = load_backbone(model_dir, device="cpu")
+    check_batch = random_batch(params.check_batch_size, spec.image_size, seed=params.seed)
+    with torch.no_grad():
+        reference = model(check_batch).numpy()
+    files: dict[str, Any] = {}
+    with atomic_output_dir(out) as tmp:
+        for fmt in dict.fromkeys(params.formats):
+            path = tmp / FILE_NAMES[fmt]
+            check = export_and_check(
+                model,
+                fmt,
+                path,
+                image_size=spec.image_size,
+                check_batch=check_batch,
+                reference=reference,
+                atol=params.atol,
+                rtol=params.rtol,
+                opset=params.opset,
+            )
+            log.info("export: %s max |diff| %.3g vs PyTorch", fmt, check.max_abs_diff)
+            if not check.passed:
+                raise FacepipeError(
+                    f"{fmt} export differs from PyTorch: max |diff| {check.max_abs_diff:.3g} exceeds "
+                    f"atol {params.atol} + rtol {params.rtol} * |output|"
+                )
+            files[fmt] = {
+                "file": path.name,
+                "sha256": sha256_file(path),
+                "max_abs_diff": float(f"{check.max_abs_diff:.3g}"),
+                **({"opset": params.opset} if fmt == "onnx" else {"method": "trace"}),
+            }
+        report = {
+            "model": spec.model_dump(),
+            "input": {
+                "name": INPUT_NAME,
+                "shape": ["batch", 3, spec.image_size, spec.image_size],
+                "dtype": "float32",
+                "preprocessing": "aligned RGB face, pixel / 127.5 - 1 (range [-1, 1])",
+            },
+            "output": {
+                "name": OUTPUT_NAME,
+                "shape": ["batch", spec.embedding_size],
+                "dtype": "float32",
+                "normalized": False,
+            },
+            "check": {
+                "batch_size": params.check_batch_size,
+                "seed": params.seed,
+                "atol": params.atol,
+                "rtol": params.rtol,
+            },
+            "files": files,
+        }
+        (tmp / REPORT_FILE).write_text(dumps(report))
+    return report
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    parts = ", ".join(
+        f"{fmt} {entry['file']} (max |diff| {entry['max_abs_diff']:.3g})" for fmt, entry in report["files"].items()
+    )
+    return f"export: {report['model']['backbone']} -> {parts}"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from facepipe.cli import add_params_argument
+
+    parser = subparsers.add_parser(
+        "export", help="ONNX / TorchScript files of a trained backbone, checked against PyTorch"
+    )
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    add_params_argument(parser)
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    params = load_section(args.params, "export")
+    print(summary_line(run(params, args.model, args.out)))
+    return 0

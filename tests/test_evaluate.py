@@ -1,0 +1,308 @@
+"""The evaluate stage: embedding, pair files (split's and LFW's) and clear errors on bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from facepipe import cli
+from facepipe.config import EvaluateParams, SplitParams
+from facepipe.evaluation.embed import embed_images, to_model_input
+from facepipe.evaluation.pairs import NamedPair, lfw_image_key, parse_lfw_pairs
+from facepipe.evaluation.verification import verification_metrics
+from facepipe.io.manifest import build_manifest, write_metadata
+from facepipe.io.model_dir import ModelSpec, save_model_dir
+from facepipe.io.records import encode_image, encode_record
+from facepipe.io.shards import ShardWriter
+from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.models import create_backbone
+from facepipe.stages import evaluate, split
+
+SIZE = 32  # small faces keep the real backbone fast on a CPU
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    spec = ModelSpec(backbone="mobilefacenet", embedding_size=32, image_size=SIZE)
+    backbone = create_backbone(spec.backbone, embedding_size=spec.embedding_size, image_size=spec.image_size)
+    out = tmp_path_factory.mktemp("evaluate") / "model"
+    save_model_dir(out, backbone, spec)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("evaluate") / "prepared"
+    return write_synthetic_shard_set(root, num_identities=10, samples_per_identity=6, image_size=SIZE)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("evaluate") / "split"
+    split.run(SplitParams(val_identities=4, num_pairs=40, seed=0), prepared, out)
+    return out / "pairs.jsonl"
+
+
+PARAMS = EvaluateParams(batch_size=16, device="cpu")
+
+
+# --- embedding --------------------------------------------------------------------------------------
+
+
+def test_to_model_input_layout_and_range() -> None:
+    images = np.zeros((2, 4, 5, 3), np.uint8)
+    images[1, :, :, 0] = 255
+    x = to_model_input(images)
+    assert x.shape == (2, 3, 4, 5) and x.dtype == torch.float32
+    assert x[0].eq(-1).all() and x[1, 0].eq(1).all() and x[1, 1:].eq(-1).all()
+
+
+def test_embed_images_fuses_the_mirror_and_ignores_batching() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 5)).eval()  # not mirror-invariant
+    images = np.random.default_rng(0).integers(0, 256, size=(7, 4, 4, 3), dtype=np.uint8)
+    fused = embed_images(model, iter(images), count=7, batch_size=3, flip=True, progress=False)
+    with torch.no_grad():
+        x = to_model_input(images)
+        expected = nn.functional.normalize(model(x) + model(x.flip(3)), dim=1).numpy()
+    np.testing.assert_allclose(fused, expected, atol=1e-6)
+    np.testing.assert_allclose(
+        embed_images(model, iter(images), count=7, batch_size=1, flip=True, progress=False), fused, atol=1e-6
+    )
+    plain = embed_images(model, iter(images), count=7, batch_size=4, flip=False, progress=False)
+    with torch.no_grad():
+        np.testing.assert_allclose(plain, nn.functional.normalize(model(x), dim=1).numpy(), atol=1e-6)
+    assert fused.shape == (7, 5) and fused.dtype == np.float32
+
+
+# --- split pairs ------------------------------------------------------------------------------------
+
+
+def test_evaluate_on_split_pairs(
+    model_dir: Path, prepared: Path, pairs_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counts = []
+
+    def counting_embed(model: nn.Module, images, *, count: int, **kwargs) -> np.ndarray:
+        images = list(images)
+        counts.append((count, len(images)))
+        return embed_images(model, images, count=count, **kwargs)
+
+    monkeypatch.setattr(evaluate, "embed_images", counting_embed)
+    metrics = evaluate.run(PARAMS, model_dir, prepared, tmp_path / "out", pairs=pairs_file, progress=False)
+
+    pairs = [json.loads(line) for line in pairs_file.read_text().splitlines()]
+    distinct = {p["index1"] for p in pairs} | {p["index2"] for p in pairs}
+    assert counts == [(len(distinct), len(distinct))]  # each image embedded once
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == metrics
+    assert metrics["num_pairs"] == 40 and metrics["num_same"] == 20 and metrics["num_different"] == 20
+    assert metrics["num_images"] == len(distinct) and metrics["pairs_format"] == "facepipe"
+    assert 0 <= metrics["accuracy_mean"] <= 1 and 0 <= metrics["auc"] <= 1 and len(metrics["fold_accuracies"]) == 10
+    assert metrics["tar_at_far_1e-3"] is None and metrics["tar_at_far_1e-4"] is None
+    assert any("needs >= 1000 different pairs, have 20" in note for note in metrics["notes"])
+    with open(tmp_path / "out" / "roc.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == ["fpr", "tpr", "threshold"] and rows[0]["threshold"] == "inf"
+    assert (float(rows[0]["fpr"]), float(rows[-1]["tpr"])) == (0.0, 1.0)
+
+
+def test_evaluate_is_deterministic_and_cli_prints_a_summary(
+    model_dir: Path, prepared: Path, pairs_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    params = tmp_path / "params.yaml"
+    params.write_text(f"evaluate:\n  pairs: {pairs_file}\n  device: cpu\n  flip: false\n")
+    for out in ("a", "b"):
+        assert cli.main(["evaluate", str(model_dir), str(prepared), str(tmp_path / out), "--params", str(params)]) == 0
+    assert "evaluate: accuracy" in capsys.readouterr().out
+    for name in ("metrics.json", "roc.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text())["flip"] is False
+
+
+def test_metrics_dict_reports_tar_where_measurable_and_a_note_where_not() -> None:
+    rng = np.random.default_rng(0)
+    same = np.arange(3000) < 1000  # 2000 different pairs: enough for FAR 1e-3, not for 1e-4
+    scores = np.where(same, rng.uniform(0.3, 1.0, 3000), rng.uniform(-1.0, 0.5, 3000))
+    result = verification_metrics(scores, same, folds=10, far_targets=(1e-3, 1e-4))
+    metrics = evaluate.metrics_dict(result, num_pairs=3000)
+    assert 0 < metrics["tar_at_far_1e-3"] < 1 and metrics["threshold_at_far_1e-3"] is not None
+    assert metrics["tar_at_far_1e-4"] is None and metrics["threshold_at_far_1e-4"] is None
+    assert metrics["notes"] == ["TAR@FAR=1e-4 not measurable: needs >= 10000 different pairs, have 2000"]
+    assert metrics["num_pairs"] == 3000
+    json.dumps(metrics, allow_nan=False)  # plain JSON: no inf or nan
+
+
+# --- LFW pairs.txt ----------------------------------------------------------------------------------
+
+
+def write_lfw_shard_set(root: Path, images: dict[str, int], *, prefix: str = "lfw/") -> Path:
+    """A shard set whose records come from ``{prefix}name/name_000N.jpg``, N = 1 .. images[name]."""
+    rng = np.random.default_rng(0)
+    with ShardWriter(root / "shards", samples_per_shard=8) as writer:
+        for label, (name, count) in enumerate(images.items()):
+            for number in range(1, count + 1):
+                payload = encode_image(rng.integers(0, 256, size=(SIZE, SIZE, 3), dtype=np.uint8))
+                header = {"label": label, "path": prefix + lfw_image_key(name, number), "encoding": "jpeg"}
+                writer.write(encode_record(header, payload), label=label)
+        shards = writer.close()
+    total = sum(images.values())
+    manifest = build_manifest(
+        shards,
+        image={"size": SIZE, "encoding": "jpeg", "quality": 95, "template": "arcface"},
+        num_identities=len(images),
+        counts={"scanned": total, "accepted": total, "rejected": 0},
+        params={},
+    )
+    write_metadata(root, manifest=manifest, identities=list(images))
+    return root
+
+
+LFW_NAMES = {"Ann_Lee": 4, "Bo_Yang": 3, "Cy_Twombly": 2, "Di_Maria": 1}
+
+
+def lfw_pairs_text(*, missing: bool = False) -> str:
+    """LFW layout, ten sets of one same and one different pair ('10 1')."""
+    same = [("Ann_Lee", i, j) for i, j in ((1, 2), (1, 3), (1, 4), (2, 3), (2, 4), (3, 4))]
+    same += [("Bo_Yang", 1, 2), ("Bo_Yang", 1, 3), ("Bo_Yang", 2, 3), ("Cy_Twombly", 1, 2)]
+    different = [("Ann_Lee", k % 4 + 1, "Di_Maria", 1) for k in range(5)]
+    different += [("Bo_Yang", k % 3 + 1, "Cy_Twombly", k % 2 + 1) for k in range(5)]
+    if missing:
+        same[0] = ("Ann_Lee", 1, 7)
+        different[0] = ("Ann_Lee", 1, "Nobody_Here", 1)
+    lines = ["10\t1"]
+    for s, d in zip(same, different):
+        lines += ["\t".join(map(str, s)), "\t".join(map(str, d))]
+    return "\n".join(lines) + "\n"
+
+
+def test_evaluate_lfw_pairs(model_dir: Path, tmp_path: Path) -> None:
+    prepared = write_lfw_shard_set(tmp_path / "lfw_prepared", LFW_NAMES)
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text(lfw_pairs_text())
+    metrics = evaluate.run(PARAMS, model_dir, prepared, tmp_path / "out", pairs=pairs, progress=False)
+    assert metrics["pairs_format"] == "lfw"
+    assert (metrics["num_pairs"], metrics["num_same"], metrics["num_different"]) == (20, 10, 10)
+    assert metrics["num_images"] == sum(LFW_NAMES.values())
+
+
+def test_lfw_pairs_with_missing_images_fail_with_a_count(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prepared = write_lfw_shard_set(tmp_path / "lfw_prepared", LFW_NAMES)
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text(lfw_pairs_text(missing=True))
+    argv = ["evaluate", str(model_dir), str(prepared), str(tmp_path / "out"), "--pairs", str(pairs)]
+    assert cli.main([*argv, "--params", str(tmp_path / "none.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 12 images are not in" in err and "Ann_Lee/Ann_Lee_0007.jpg" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_lfw_pairs() -> None:
+    text = "2 1\nA 1 2\nA 1 B 3\nC 4 5\nB 2 C 1\n"
+    assert parse_lfw_pairs(text) == [
+        NamedPair("A", 1, "A", 2),
+        NamedPair("A", 1, "B", 3),
+        NamedPair("C", 4, "C", 5),
+        NamedPair("B", 2, "C", 1),
+    ]
+    assert [p.same for p in parse_lfw_pairs("1\nA 1 2\nA 1 B 1\n")] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "line 1: expected a header"),
+        ("10 300 2\n", "line 1: expected a header"),
+        ("1 1\nA 1 2\n", "promises 2 pairs, found 1"),
+        ("1 1\nA 1 2\nA x B 2\n", "line 3: expected"),
+        ("1 1\nA 1\nA 1 B 2\n", "line 2: expected"),
+        ("1 1\nA 0 2\nA 1 B 2\n", "line 2: image numbers start at 1"),
+    ],
+)
+def test_parse_lfw_pairs_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_lfw_pairs(text)
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+def _bad_model_dir(tmp_path: Path, model_dir: Path, kind: str) -> Path:
+    bad = tmp_path / "bad_model"
+    bad.mkdir()
+    if kind == "no_spec":
+        (bad / "backbone.pt").write_bytes((model_dir / "backbone.pt").read_bytes())
+    elif kind == "wrong_size":
+        (bad / "backbone.pt").write_bytes((model_dir / "backbone.pt").read_bytes())
+        spec = {"backbone": "mobilefacenet", "embedding_size": 64, "image_size": SIZE}
+        (bad / "model.json").write_text(json.dumps(spec))
+    elif kind == "extra_key":
+        (bad / "model.json").write_text(json.dumps({"backbone": "x", "embedding_size": 8, "image_size": 32, "lr": 1}))
+    return bad
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("missing_model", "model folder not found"),
+        ("no_spec", "no model.json"),
+        ("wrong_size", "do not fit"),
+        ("extra_key", "lr: Extra inputs are not permitted"),
+        ("missing_prepared", "shard set not found"),
+        ("missing_pairs", "pairs file not found"),
+        ("unknown_images", "2 of"),
+        ("bad_params", "unknown key 'evaluate.flips'"),
+        ("few_pairs", "10 folds need at least 10 same and 10 different pairs, have 3 and 3"),
+        ("image_size", "model expects 32px faces, shard set"),
+    ],
+)
+def test_evaluate_cli_errors(
+    model_dir: Path,
+    prepared: Path,
+    pairs_file: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    message: str,
+) -> None:
+    model, shards, pairs = model_dir, prepared, pairs_file
+    params = tmp_path / "params.yaml"
+    params.write_text("evaluate:\n  device: cpu\n")
+    if case == "missing_model":
+        model = tmp_path / "nope"
+    elif case in ("no_spec", "wrong_size", "extra_key"):
+        model = _bad_model_dir(tmp_path, model_dir, case)
+    elif case == "missing_prepared":
+        shards = tmp_path / "nope"
+    elif case == "missing_pairs":
+        pairs = tmp_path / "nope.jsonl"
+    elif case == "unknown_images":
+        lines = [json.loads(line) for line in pairs_file.read_text().splitlines()]
+        lines[0]["path1"] = "somebody/else.jpg"
+        lines[1]["index2"] = 10_000
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    elif case == "bad_params":
+        params.write_text("evaluate:\n  flips: true\n")
+    elif case == "few_pairs":
+        lines = pairs_file.read_text().splitlines()
+        kept = [line for line in lines if '"same": true' in line][:3]
+        kept += [line for line in lines if '"same": false' in line][:3]
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("\n".join(kept) + "\n")
+    elif case == "image_size":
+        shards = write_synthetic_shard_set(tmp_path / "big", num_identities=10, samples_per_identity=6, image_size=48)
+    argv = ["evaluate", str(model), str(shards), str(tmp_path / "out"), "--pairs", str(pairs)]
+    assert cli.main([*argv, "--params", str(params)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("facepipe evaluate: error:") and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
