@@ -9,10 +9,7 @@ number of workers.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -25,6 +22,7 @@ from facepipe.config import PrepareParams, load_section
 from facepipe.data.extract import Outcome, process_chunk
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
+from facepipe.io.atomic import atomic_output_dir
 from facepipe.io.manifest import build_manifest, dumps, reject_line, write_metadata
 from facepipe.io.records import encode_record
 from facepipe.io.shards import ShardWriter
@@ -34,7 +32,6 @@ from facepipe.progress import Progress
 log = logging.getLogger("facepipe.prepare")
 
 Submit = Callable[[list[str]], FutureLike]
-_PARTIAL = ".partial-"
 
 
 def check_paths(raw: str | Path, out: str | Path) -> None:
@@ -128,36 +125,6 @@ class SetBuilder:
         self.rejects.close()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_partials(out: Path) -> None:
-    """Delete temporary siblings left by killed runs (their process is gone)."""
-    for partial in out.parent.glob(f".{out.name}{_PARTIAL}*"):
-        pid = partial.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            log.info("removing %s left by an interrupted run", partial)
-            shutil.rmtree(partial, ignore_errors=True)
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished set into place; an older set at ``out`` is replaced only after success."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 @contextmanager
 def dask_submitter(
     raw: Path, params: PrepareParams, *, workers: int | None, scheduler_address: str | None, device: str
@@ -194,29 +161,25 @@ def run(
     scan_s = time.perf_counter() - started
     paths = [item.path for item in items]
     chunks = [paths[i : i + params.chunk_size] for i in range(0, len(paths), params.chunk_size)]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(out)
-        tmp = out.parent / f".{out.name}{_PARTIAL}{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as error:
-        raise FacepipeError(f"cannot write the output next to {out}: {error.strerror}") from None
     log.info("prepare: %d files in %d chunks from %s", len(paths), len(chunks), raw)
-    builder = SetBuilder(tmp, params)
-    try:
-        if submit is None:
-            runner = dask_submitter(raw, params, workers=workers, scheduler_address=scheduler_address, device=device)
-        else:
-            runner = _given(submit, workers or default_workers())
-        with runner as (submit_chunk, n_workers), Progress(len(paths), desc="prepare", enabled=progress) as bar:
-            process_started = time.perf_counter()
-            for outcomes in ordered_results(submit_chunk, chunks, window=2 * n_workers + 1):
-                for outcome in outcomes:
-                    builder.add(outcome)
-                bar.update(len(outcomes))
-            process_s = time.perf_counter() - process_started
-        manifest = builder.finish(len(paths))
+    with atomic_output_dir(out) as tmp:
+        builder = SetBuilder(tmp, params)
+        try:
+            if submit is None:
+                runner = dask_submitter(raw, params, workers=workers, scheduler_address=scheduler_address, device=device)
+            else:
+                runner = _given(submit, workers or default_workers())
+            with runner as (submit_chunk, n_workers), Progress(len(paths), desc="prepare", enabled=progress) as bar:
+                process_started = time.perf_counter()
+                for outcomes in ordered_results(submit_chunk, chunks, window=2 * n_workers + 1):
+                    for outcome in outcomes:
+                        builder.add(outcome)
+                    bar.update(len(outcomes))
+                process_s = time.perf_counter() - process_started
+            manifest = builder.finish(len(paths))
+        except BaseException:
+            builder.abort()
+            raise
         elapsed = time.perf_counter() - started
         report = {
             "counts": manifest["counts"],
@@ -231,11 +194,6 @@ def run(
             "images_per_s": round(len(paths) / max(process_s, 1e-9), 2),
         }
         (tmp / "report.json").write_text(dumps(report))
-        _publish(tmp, out)
-    except BaseException:
-        builder.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return report
 
 
