@@ -53,10 +53,10 @@ class SampleDataParams(Section):
 
     identities: int = Field(40, ge=2)
     images_per_identity: int = Field(8, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="numpy SeedSequence entropy: must be non-negative")
     bad_files: bool = True
     # Photo sizes: each image's longer side is drawn from [min_side, max_side], its aspect up to 3:2.
-    # The face box is 28-50% of the shorter side, so min_side >= 160 keeps it above ~45 px.
+    # The face box is 30-55% of the shorter side, so min_side >= 160 keeps it above ~45 px.
     min_side: int = Field(250, ge=160, le=4096, description="smallest image side, pixels")
     max_side: int = Field(700, ge=160, le=4096, description="largest image side, pixels")
 

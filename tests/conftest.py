@@ -1,0 +1,26 @@
+"""Shared fixtures. Tests run on a small shared machine: keep torch to one thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - torch is a hard dependency, but conftest should not need it
+    torch = None
+else:
+    torch.set_num_threads(1)
+
+from facepipe.config import SampleDataParams
+from facepipe.data.sample import make_sample_dataset
+
+
+@pytest.fixture(scope="session")
+def sample_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small generated raw dataset in the LFW layout: 6 identities x 4 images, plus one bad file of
+    each kind in ``facepipe.data.sample.BAD_KINDS`` (seed 0). Treat it as read-only."""
+    out = tmp_path_factory.mktemp("sample_raw") / "raw"
+    make_sample_dataset(out, SampleDataParams(identities=6, images_per_identity=4, seed=0, bad_files=True))
+    return out
