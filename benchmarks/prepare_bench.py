@@ -46,7 +46,10 @@ def plain_loop(raw: Path, params: PrepareParams) -> tuple[float, int]:
             image = load_image((raw / item.path).read_bytes(), max_pixels=params.max_pixels)
         except (Reject, OSError):
             continue
-        boxes, probs, points = mtcnn.detect(image, landmarks=True)
+        try:
+            boxes, probs, points = mtcnn.detect(image, landmarks=True)
+        except (RuntimeError, ValueError):  # MTCNN raises on images smaller than its smallest face
+            continue
         if boxes is None:
             continue
         boxes = np.asarray(boxes, dtype=np.float32)
