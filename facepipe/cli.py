@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "facepipe.stages.prepare",
     "facepipe.stages.inspect",
     "facepipe.stages.split",
+    "facepipe.stages.train",
     "facepipe.stages.evaluate",
     "facepipe.stages.export",
 )
@@ -32,13 +33,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
-        try:  # TODO(lead): remove once every stage module has landed
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name != name:
-                raise
-            continue
-        module.add_parser(subparsers)
+        importlib.import_module(name).add_parser(subparsers)
     return parser
 
 

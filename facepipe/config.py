@@ -200,6 +200,12 @@ class TrainParams(Section):
     seed: int = 0
     augment: AugmentParams = AugmentParams()
 
+    @field_validator("amp", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        # YAML 1.1 (PyYAML, `dvc exp run -S train.amp=off`) reads a bare `off` as false.
+        return "off" if value is False else value
+
 
 class PipelineParams(Section):
     """``pipeline``: the scheduled reprocessing deployment (``flows/deploy.py``)."""

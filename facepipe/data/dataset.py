@@ -1,0 +1,168 @@
+"""A torch ``Dataset`` over a prepared shard set: read -> decode -> augment -> [-1, 1] tensor.
+
+Reading is ``facepipe.io``'s job (LMDB environments open lazily, once per process, read-only and
+without a lock, so every DataLoader worker has its own); this module decides *which* samples form the
+dataset and what each one becomes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from facepipe.data.augment import Augmenter, to_tensor
+from facepipe.errors import FacepipeError
+from facepipe.io import ShardSet, ShardSetError
+from facepipe.io.records import RecordError, decode_image, decode_record
+
+#: Identities to train on: names, a path to a JSON list of names, or ``None`` for all of them.
+IdentitySelection = Sequence[str] | str | os.PathLike[str] | None
+
+
+def read_identity_list(path: str | os.PathLike[str]) -> list[str]:
+    """A JSON file holding a list of identity names (what the split stage writes)."""
+    path = Path(path)
+    try:
+        names = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FacepipeError(f"identity list not found: {path}") from None
+    except (OSError, ValueError) as error:
+        raise FacepipeError(f"identity list unreadable: {path} ({error})") from None
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise FacepipeError(f"identity list must be a JSON list of names: {path}")
+    return names
+
+
+def select_identities(all_names: Sequence[str], wanted: IdentitySelection) -> np.ndarray:
+    """Original labels of the ``wanted`` identities, ascending: [K] int64 (all labels for ``None``)."""
+    if wanted is None:
+        return np.arange(len(all_names), dtype=np.int64)
+    names = read_identity_list(wanted) if isinstance(wanted, (str, os.PathLike)) else list(wanted)
+    position = {name: label for label, name in enumerate(all_names)}
+    unknown = [name for name in names if name not in position]
+    if unknown:
+        raise FacepipeError(
+            f"{len(unknown)} identities are not in the shard set, e.g. {unknown[0]!r} "
+            "(was the identity list made from another prepared set?)"
+        )
+    if not names:
+        raise FacepipeError("the identity list is empty")
+    return np.unique(np.fromiter((position[name] for name in names), dtype=np.int64))
+
+
+class FaceDataset(Dataset):
+    """Samples of a shard set, optionally restricted to some identities.
+
+    Items are ordered as stored (shard by shard), and ``dataset[key]`` is ``(image, label)`` with
+    image [3, S, S] float32 in [-1, 1] and label an int in [0, num_classes). ``key`` is an item
+    index, or ``(item index, augmentation seed)`` as the training sampler yields them. Labels are
+    remapped to 0..K-1 in the order of the shard set's ``labels.json``; that is decided from the
+    per-shard label indexes alone, without reading image bytes.
+    """
+
+    def __init__(
+        self,
+        shards: ShardSet | str | os.PathLike[str],
+        *,
+        identities: IdentitySelection = None,
+        augment: Augmenter | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.shards = shards if isinstance(shards, ShardSet) else ShardSet(shards)
+        self.augment = augment
+        self.seed = seed
+        original = self.shards.labels()
+        if len(original) != len(self.shards):
+            raise ShardSetError(
+                f"label indexes hold {len(original)} samples, the manifest {len(self.shards)}: {self.shards.root}"
+            )
+        if len(original) and (original.min() < 0 or original.max() >= self.shards.num_identities):
+            raise ShardSetError(
+                f"labels outside labels.json's {self.shards.num_identities} identities: {self.shards.root}"
+            )
+        kept = select_identities(self.shards.identities, identities)
+        remap = np.full(self.shards.num_identities, -1, dtype=np.int64)
+        remap[kept] = np.arange(len(kept))
+        #: [M] global sample index of each item, ascending (storage order).
+        self.indices = np.flatnonzero(remap[original] >= 0)
+        #: [M] int64 label of each item in [0, num_classes).
+        self.labels = remap[original[self.indices]]
+        #: [M] shard of each item and its index within that shard.
+        self.item_shards = np.searchsorted(self.shards.offsets, self.indices, side="right") - 1
+        self.item_local = self.indices - self.shards.offsets[self.item_shards]
+        self.class_names = [self.shards.identities[label] for label in kept]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    @property
+    def image_size(self) -> int:
+        return int(self.shards.manifest["image"]["size"])
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def read(self, item: int) -> bytes:
+        """The stored record bytes of item ``item``."""
+        return self.shards.readers[self.item_shards[item]].get(int(self.item_local[item]))
+
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: Sequence[int | tuple[int, int]]) -> list[tuple[torch.Tensor, int]]:
+        """A batch of items, one stage at a time over the whole batch (what the DataLoader calls).
+
+        Read all, decode all, augment all, convert all: each stage's code stays hot in the CPU
+        caches, ~10% faster than taking every image through all stages in turn.
+        """
+        pairs = [key if isinstance(key, tuple) else (key, self.seed * 1_000_003 + key) for key in keys]
+        images = [self._decode(item, self.read(item)) for item, _ in pairs]
+        if self.augment is not None:
+            images = [self.augment(image, seed) for image, (_, seed) in zip(images, pairs)]
+        return [(to_tensor(image), int(self.labels[item])) for image, (item, _) in zip(images, pairs)]
+
+    def _decode(self, item: int, raw: bytes) -> np.ndarray:
+        try:
+            return decode_image(decode_record(raw).payload)
+        except (RecordError, OSError, ValueError) as error:
+            shard, local = int(self.item_shards[item]), int(self.item_local[item])
+            name = self.shards.readers[shard].path.name
+            raise ShardSetError(f"corrupt sample {local} in {name}: {error}") from None
+
+
+def _init_worker(worker_id: int) -> None:
+    import cv2
+
+    # Loader workers are the parallelism; OpenCV's own threads would only oversubscribe the cores.
+    cv2.setNumThreads(1)
+
+
+def make_loader(
+    dataset: FaceDataset,
+    sampler: Sampler[list[tuple[int, int]]],
+    *,
+    num_workers: int,
+    pin_memory: bool = False,
+) -> DataLoader:
+    """A DataLoader of (images [b, 3, S, S] float32 in [-1, 1], labels [b] int64) batches.
+
+    Workers persist across epochs (each keeps its LMDB environments open). The loader has its own
+    generator, so creating its iterator never draws from the global torch RNG that a resumed run
+    restores.
+    """
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        worker_init_fn=_init_worker if num_workers > 0 else None,
+        generator=torch.Generator().manual_seed(dataset.seed),
+    )

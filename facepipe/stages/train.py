@@ -1,0 +1,361 @@
+"""The train stage: a prepared shard set -> a trained backbone (DESIGN.md, "train").
+
+``facepipe train PREPARED OUT`` runs as one process; ``torchrun --nproc-per-node N -m facepipe train
+PREPARED OUT`` runs the same code as N DDP processes (NCCL on CUDA, gloo on CPU). Writes::
+
+    OUT/backbone.pt      backbone state_dict            OUT/model.json   how to rebuild it
+    OUT/checkpoints/     step-NNNNNNNN.pt (resume)      OUT/metrics.json, OUT/plots/metrics/  (dvclive)
+
+A run resumes from the newest checkpoint in OUT/checkpoints when its parameters and data match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from facepipe.config import TrainParams, load_section
+from facepipe.data.augment import Augmenter
+from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
+from facepipe.data.sampler import ShardOrderSampler
+from facepipe.errors import FacepipeError
+from facepipe.heads import create_head
+from facepipe.io.model_dir import SPEC_FILE, WEIGHTS_FILE, ModelSpec, write_model_spec
+from facepipe.models import create_backbone
+from facepipe.training.checkpoint import atomic_save, latest_checkpoint, load_checkpoint
+from facepipe.training.distributed import (
+    Distributed,
+    broadcast_object,
+    init_distributed,
+    shutdown,
+)
+from facepipe.training.metrics import TrainMetrics
+from facepipe.training.optimizer import build_optimizer
+from facepipe.training.schedule import Plan, build_scheduler, make_plan
+from facepipe.training.trainer import FaceModel, LoopOptions, Trainer
+
+log = logging.getLogger("facepipe.train")
+
+CHECKPOINT_DIR = "checkpoints"
+
+#: Parameters that change how a run reports or is laid out, never what it computes: a resumed run
+#: may change them.
+OPERATIONAL_KEYS = frozenset(
+    {"num_workers", "log_every", "checkpoint_every", "keep_checkpoints", "nproc_per_node", "device"}
+)
+
+#: Builds the model to train: (params, num_classes=, image_size=) -> FaceModel.
+ModelFactory = Callable[..., FaceModel]
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """What a run did (returned; the metric history is in OUT/metrics.json and OUT/plots)."""
+
+    out: str
+    steps: int
+    total_steps: int
+    epochs_done: int
+    resumed_from_step: int | None
+    num_samples: int
+    num_classes: int
+    world_size: int
+    effective_batch: int
+    lr: float
+    loss: float | None
+    accuracy: float | None
+    samples_per_s: float
+    elapsed_s: float
+
+
+def build_model(params: TrainParams, *, num_classes: int, image_size: int) -> FaceModel:
+    """Backbone and margin head from the registries, as ``params`` names them."""
+    backbone = create_backbone(
+        params.backbone,
+        embedding_size=params.embedding_size,
+        image_size=image_size,
+        gradient_checkpointing=params.gradient_checkpointing,
+    )
+    head = create_head(
+        params.head,
+        embedding_size=params.embedding_size,
+        num_classes=num_classes,
+        scale=params.scale,
+        margin=params.margin,
+    )
+    return FaceModel(backbone, head)
+
+
+def data_fingerprint(dataset: FaceDataset) -> str:
+    """Identifies the training data: the shard files' hashes and the classes trained on."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([s["sha256"] for s in dataset.shards.manifest["shards"]]).encode())
+    digest.update(json.dumps(dataset.class_names).encode())
+    return digest.hexdigest()
+
+
+def check_resumable(state: dict[str, Any], *, params: TrainParams, fingerprint: str, source: Path) -> None:
+    """A checkpoint may continue this run only if it trained the same thing on the same data."""
+    saved = {k: v for k, v in state["config"].items() if k not in OPERATIONAL_KEYS}
+    wanted = {k: v for k, v in params.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+    changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
+    if changed:
+        first = changed[0]
+        raise FacepipeError(
+            f"{source} was written with other train params ({', '.join(changed)}; e.g. {first}: "
+            f"{saved.get(first)!r} -> {wanted.get(first)!r}); remove {source.parent} or run with --fresh"
+        )
+    if state["data"]["fingerprint"] != fingerprint:
+        raise FacepipeError(
+            f"{source} was trained on other data (shards or identities differ); remove {source.parent} or run with --fresh"
+        )
+
+
+def seed_process(seed: int, rank: int) -> None:
+    """Per-rank generators (dropout, anything random in the model), distinct and reproducible."""
+    state = np.random.SeedSequence([seed, rank]).generate_state(2)
+    torch.manual_seed(int(state[0]))
+    np.random.seed(int(state[1]))
+    random.seed(int(state[0]))
+
+
+def run(
+    params: TrainParams,
+    prepared: str | Path,
+    out: str | Path,
+    *,
+    identities: IdentitySelection = None,
+    max_steps: int | None = None,
+    fresh: bool = False,
+    model_factory: ModelFactory | None = None,
+) -> TrainReport:
+    """Train on the shard set ``prepared`` (optionally only ``identities``), writing into ``out``.
+
+    ``max_steps`` stops after that many optimizer steps in all (checkpointing there) without
+    changing the schedule, which stays that of the full run; ``fresh`` deletes old checkpoints
+    instead of resuming from them. Call it once per process; under torchrun every rank calls it.
+    """
+    context = init_distributed(params.device)
+    if not context.is_main:
+        logging.getLogger("facepipe").setLevel(logging.WARNING)
+    try:
+        factory = model_factory or build_model
+        return _train(params, Path(prepared), Path(out), context, identities, max_steps, fresh, factory)
+    finally:
+        shutdown(context)
+
+
+def _train(
+    params: TrainParams,
+    prepared: Path,
+    out: Path,
+    context: Distributed,
+    identities: IdentitySelection,
+    max_steps: int | None,
+    fresh: bool,
+    model_factory: ModelFactory,
+) -> TrainReport:
+    started = time.perf_counter()
+    _warn_single_process(params, context)
+    dataset = FaceDataset(prepared, identities=identities, seed=params.seed)
+    dataset.augment = Augmenter(params.augment, image_size=dataset.image_size)
+    plan = make_plan(params, num_samples=len(dataset), world_size=context.world_size)
+    _log_plan(dataset, plan)
+
+    _configure_device(context)
+    torch.manual_seed(params.seed)  # identical initial weights on every rank
+    model = model_factory(params, num_classes=dataset.num_classes, image_size=dataset.image_size)
+    model.to(context.device)
+    seed_process(params.seed, context.rank)
+    trainer = _make_trainer(model, params, plan, context)
+    fingerprint = data_fingerprint(dataset)
+    resumed_from = _resume(trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, fresh=fresh)
+
+    spec = ModelSpec(backbone=params.backbone, embedding_size=params.embedding_size, image_size=dataset.image_size)
+    options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
+    sampler = ShardOrderSampler(
+        dataset.item_shards,
+        batch_size=params.batch_size,
+        rank=context.rank,
+        world_size=context.world_size,
+        accum_steps=params.accum_steps,
+        buffer_size=params.shuffle_buffer,
+        seed=params.seed,
+    )
+    loader = make_loader(dataset, sampler, num_workers=params.num_workers, pin_memory=context.device.type == "cuda")
+    metrics = TrainMetrics(out, enabled=context.is_main, resume_step=resumed_from)
+    start_step, fit_started = trainer.state.step, time.perf_counter()
+    try:
+        state = trainer.fit(loader, sampler, options=options, metrics=metrics)
+    finally:
+        metrics.close()
+    samples_per_s = (state.step - start_step) * plan.effective_batch / max(time.perf_counter() - fit_started, 1e-9)
+    if context.is_main:
+        atomic_save(model.backbone.state_dict(), out / WEIGHTS_FILE)
+        write_model_spec(out, spec)
+        log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
+    return TrainReport(
+        out=str(out),
+        steps=state.step,
+        total_steps=plan.total_steps,
+        epochs_done=state.epoch,
+        resumed_from_step=resumed_from,
+        num_samples=len(dataset),
+        num_classes=dataset.num_classes,
+        world_size=context.world_size,
+        effective_batch=plan.effective_batch,
+        lr=plan.lr,
+        loss=trainer.last_metrics.get("loss"),
+        accuracy=trainer.last_metrics.get("accuracy"),
+        samples_per_s=samples_per_s,
+        elapsed_s=time.perf_counter() - started,
+    )
+
+
+def _warn_single_process(params: TrainParams, context: Distributed) -> None:
+    if context.world_size == 1 and params.nproc_per_node > 1:
+        log.warning(
+            "train.nproc_per_node is %d but this is a single process: launch with "
+            "torchrun --nproc-per-node %d -m facepipe train ... for DDP",
+            params.nproc_per_node,
+            params.nproc_per_node,
+        )
+
+
+def _log_plan(dataset: FaceDataset, plan: Plan) -> None:
+    log.info(
+        "%d samples of %d identities; %d process(es) x batch %d x accum %d = %d per step; lr %.4g; %d steps",
+        len(dataset),
+        dataset.num_classes,
+        plan.world_size,
+        plan.batch_size,
+        plan.accum_steps,
+        plan.effective_batch,
+        plan.lr,
+        plan.total_steps,
+    )
+
+
+def _configure_device(context: Distributed) -> None:
+    if context.device.type == "cuda":
+        # Fixed input shapes: let cuDNN pick the fastest kernels; TF32 matmuls for amp=off.
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def _loop_options(
+    params: TrainParams, out: Path, *, max_steps: int | None, dataset: FaceDataset, fingerprint: str, spec: ModelSpec
+) -> LoopOptions:
+    """How often to log and save, and what each checkpoint carries besides the training state."""
+    return LoopOptions(
+        out=out / CHECKPOINT_DIR,
+        checkpoint_every=params.checkpoint_every,
+        keep_checkpoints=params.keep_checkpoints,
+        log_every=params.log_every,
+        max_steps=max_steps,
+        checkpoint_extra={
+            "config": params.model_dump(mode="json"),
+            "data": {"fingerprint": fingerprint, "num_samples": len(dataset), "num_classes": dataset.num_classes},
+            "model": spec.model_dump(),
+            "class_names": dataset.class_names,
+        },
+    )
+
+
+def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Distributed) -> Trainer:
+    optimizer = build_optimizer(
+        [model], name=params.optimizer, lr=plan.lr, momentum=params.momentum, weight_decay=params.weight_decay
+    )
+    scheduler = build_scheduler(
+        optimizer,
+        total_steps=plan.total_steps,
+        warmup_steps=plan.warmup_steps,
+        decay=params.decay,
+        power=params.poly_power,
+        min_ratio=params.min_lr_ratio,
+    )
+    return Trainer(
+        model,
+        optimizer,
+        scheduler,
+        context=context,
+        plan=plan,
+        amp=params.amp,
+        grad_clip=params.grad_clip,
+        comm_hook=params.comm_hook,
+        powersgd_rank=params.powersgd_rank,
+    )
+
+
+def _resume(trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerprint: str, fresh: bool) -> int | None:
+    """Load the newest checkpoint (rank 0 picks it for all); returns its step, or None for a new run."""
+    context = trainer.context
+    if fresh and context.is_main and checkpoints.exists():
+        log.info("--fresh: removing %s", checkpoints)
+        shutil.rmtree(checkpoints)
+    latest = broadcast_object(None if fresh else latest_checkpoint(checkpoints), context)
+    if latest is None:
+        return None
+    state = load_checkpoint(latest)
+    check_resumable(state, params=params, fingerprint=fingerprint, source=Path(latest))
+    trainer.load_checkpoint_state(state, source=str(latest))
+    log.info("resuming from %s (step %d, epoch %d)", latest, trainer.state.step, trainer.state.epoch)
+    return int(state["step"])
+
+
+def summary_line(report: TrainReport) -> str:
+    loss = "n/a" if report.loss is None else f"{report.loss:.4f}"
+    return (
+        f"trained {report.steps}/{report.total_steps} steps ({report.epochs_done} epochs) on {report.num_samples} "
+        f"samples of {report.num_classes} identities with {report.world_size} process(es): loss {loss}, "
+        f"{report.samples_per_s:.1f} samples/s -> {report.out}"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from facepipe.cli import add_params_argument
+
+    parser = subparsers.add_parser(
+        "train", help="train a backbone + margin head on a shard set (torchrun ... -m facepipe train for DDP)"
+    )
+    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="prepared shard set")
+    parser.add_argument("out", type=Path, metavar="OUT", help="model folder to write; resumes from OUT/checkpoints")
+    add_params_argument(parser)
+    parser.add_argument(
+        "--identities", type=Path, default=None, metavar="FILE", help="JSON list of identity names to train on"
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N optimizer steps in all (checkpointed; the schedule stays the full run's)",
+    )
+    parser.add_argument("--fresh", action="store_true", help="delete old checkpoints instead of resuming")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.max_steps is not None and args.max_steps < 1:
+        raise FacepipeError(f"--max-steps must be >= 1, got {args.max_steps}")
+    params = load_section(args.params, "train")
+    report = run(
+        params, args.prepared, args.out, identities=args.identities, max_steps=args.max_steps, fresh=args.fresh
+    )
+    if os.environ.get("RANK", "0") == "0":
+        print(summary_line(report))
+    return 0

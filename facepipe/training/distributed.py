@@ -1,0 +1,150 @@
+"""Process groups and DDP: NCCL on CUDA, gloo on CPU, or a plain single process.
+
+A process started by ``torchrun`` finds RANK / LOCAL_RANK / WORLD_SIZE (and the rendezvous address)
+in its environment; without them, or with a world of one, training runs as a plain process with no
+process group and no DDP wrapper. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from facepipe.errors import FacepipeError
+
+log = logging.getLogger("facepipe.training")
+
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """Where this process stands: its rank among ``world_size`` processes and its device."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only process that writes files and logs at INFO."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        """A process group exists (more than one process)."""
+        return self.world_size > 1
+
+
+def pick_device(preference: Literal["auto", "cpu", "cuda"], local_rank: int) -> torch.device:
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise FacepipeError("train.device is 'cuda' but no CUDA device is available")
+    if local_rank >= torch.cuda.device_count():
+        raise FacepipeError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(preference: Literal["auto", "cpu", "cuda"] = "auto") -> Distributed:
+    """Join the process group that torchrun set up (if any) with the backend the device needs."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(preference, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        log.info("joined process group: %d processes, backend %s", world_size, backend)
+    return Distributed(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def shutdown(context: Distributed) -> None:
+    if context.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(
+    model: nn.Module, context: Distributed, *, comm_hook: CommHook = "none", powersgd_rank: int = 1
+) -> nn.Module:
+    """``model`` in DDP with the requested gradient-compression hook; unchanged in a single process."""
+    if not context.enabled:
+        return model
+    device_ids = [context.device.index] if context.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    register_comm_hook(ddp, comm_hook, powersgd_rank=powersgd_rank)
+    return ddp
+
+
+def register_comm_hook(model: DistributedDataParallel, hook: CommHook, *, powersgd_rank: int = 1) -> None:
+    """PyTorch's built-in DDP communication hooks: compress gradients before the all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "none":
+        return
+    if hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif hook == "bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:
+        raise ValueError(f"unknown comm hook {hook!r}")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (checkpoints hold the unwrapped weights)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Around forward + backward: with ``enabled`` False, DDP skips the gradient all-reduce.
+
+    Accumulation micro-steps other than the last use it; the last one all-reduces the sum.
+    """
+    if enabled or not isinstance(model, DistributedDataParallel):
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+def all_gather_objects(obj: Any, context: Distributed) -> list[Any]:
+    """``obj`` of every rank, in rank order (a list of one without a process group)."""
+    if not context.enabled:
+        return [obj]
+    gathered: list[Any] = [None] * context.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_object(obj: Any, context: Distributed) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if not context.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(tensor: torch.Tensor, context: Distributed) -> torch.Tensor:
+    """Sum over ranks, in place (a sync point: call it only when logging)."""
+    if context.enabled:
+        dist.all_reduce(tensor)
+    return tensor

@@ -1,0 +1,351 @@
+"""The training loop: one step function for every precision, accumulation and DDP, plus resume.
+
+One optimizer step is ``accum_steps`` micro-steps. Each micro-step runs forward under autocast
+(off / bf16 / fp16) and backward on ``loss / accum_steps`` through the GradScaler (a pass-through
+unless fp16); only the last micro-step all-reduces gradients. Then: unscale, clip, step, update the
+scale, advance the schedule. Counters (step, epoch, samples consumed in the epoch) count optimizer
+steps, and together with the deterministic sampler they are the whole position of a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.data import DataLoader
+
+from facepipe.data.sampler import ShardOrderSampler
+from facepipe.errors import FacepipeError
+from facepipe.heads import ModelParallelMarginHead
+from facepipe.progress import Progress
+from facepipe.training.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    capture_rng_state,
+    restore_rng_state,
+    save_checkpoint,
+)
+from facepipe.training.distributed import (
+    CommHook,
+    Distributed,
+    all_gather_objects,
+    all_reduce_sum,
+    gradient_sync,
+    wrap_model,
+)
+from facepipe.training.metrics import TrainMetrics
+from facepipe.training.schedule import Plan
+
+log = logging.getLogger("facepipe.training")
+
+Precision = Literal["off", "bf16", "fp16"]
+_AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class FaceModel(nn.Module):
+    """Backbone + margin head, trained as one module (one DDP wrapper, one optimizer)."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """images [B, 3, S, S] float in [-1, 1], labels [B] int64 -> margin logits [B, C]."""
+        return self.head(self.backbone(images), labels)
+
+
+def head_is_sharded(head: nn.Module) -> bool:
+    """A model-parallel head holds a different slice of the classes on each rank."""
+    return isinstance(head, ModelParallelMarginHead)
+
+
+def check_precision(amp: Precision, device: torch.device) -> None:
+    """Fail early, in one line, on a precision the device cannot run."""
+    if amp == "fp16" and device.type != "cuda":
+        raise FacepipeError("train.amp: fp16 needs a CUDA device (use bf16 or off on CPU)")
+    if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise FacepipeError(f"train.amp: bf16 is not supported by {torch.cuda.get_device_name(device)}")
+
+
+@dataclass
+class TrainState:
+    """Where a run stands; ``epoch_samples`` counts samples (all ranks) consumed in ``epoch``."""
+
+    step: int = 0
+    epoch: int = 0
+    epoch_samples: int = 0
+
+
+@dataclass
+class StepStats:
+    """Sums over micro-batches of one rank, kept on the device so that logging alone synchronizes."""
+
+    totals: torch.Tensor  # [3]: sum of per-sample loss, correct predictions, samples
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> StepStats:
+        return cls(torch.zeros(3, dtype=torch.float64, device=device))
+
+
+@dataclass
+class LoopOptions:
+    """How the loop reports and saves: everything here only changes side effects, never the weights."""
+
+    out: Path | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    log_every: int = 20
+    max_steps: int | None = None
+    checkpoint_extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    """Owns the model (DDP-wrapped when distributed), optimizer, schedule, scaler and position."""
+
+    def __init__(
+        self,
+        model: FaceModel,
+        optimizer: Optimizer,
+        scheduler: LambdaLR,
+        *,
+        context: Distributed,
+        plan: Plan,
+        amp: Precision = "off",
+        grad_clip: float | None = None,
+        comm_hook: CommHook = "none",
+        powersgd_rank: int = 1,
+    ) -> None:
+        check_precision(amp, context.device)
+        self.context = context
+        self.plan = plan
+        self.module = model
+        self.model = wrap_model(model, context, comm_hook=comm_hook, powersgd_rank=powersgd_rank)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.amp_dtype = _AMP_DTYPES[amp]
+        self.grad_clip = grad_clip
+        self.scaler = torch.amp.GradScaler(context.device.type, enabled=amp == "fp16")
+        self.state = TrainState()
+        self.stats = StepStats.zeros(context.device)
+        self.last_lr = plan.lr
+        #: The latest metric point: loss, accuracy, lr, samples_per_s.
+        self.last_metrics: dict[str, float] = {}
+
+    # -- one optimizer step -------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[Batch]) -> float:
+        """One optimizer step over ``micro_batches`` (each images [b, 3, S, S], labels [b]).
+
+        The loss is the mean over all samples of the step: each micro-batch's mean divided by their
+        number, so k micro-batches of b equal one batch of k*b. Returns the learning rate used.
+        """
+        device = self.context.device
+        self.model.train()
+        last = len(micro_batches) - 1
+        for index, (images, labels) in enumerate(micro_batches):
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            with gradient_sync(self.model, enabled=index == last):
+                with torch.autocast(
+                    device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+                ):
+                    logits = self.model(images, labels)
+                # Half-precision logits are promoted: the softmax over many classes needs float32.
+                loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
+                self.scaler.scale(loss / len(micro_batches)).backward()
+            self._accumulate(loss, logits, labels)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
+        self.scaler.unscale_(self.optimizer)
+        if self.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.epoch_samples += self.plan.effective_batch
+        return self.last_lr
+
+    def _accumulate(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        with torch.no_grad():
+            count = labels.new_full((), labels.numel(), dtype=torch.float64)
+            correct = (logits.argmax(dim=1) == labels).sum().double()
+            self.stats.totals += torch.stack([loss.detach().double() * count, correct, count])
+
+    def collect_stats(self) -> dict[str, float]:
+        """Mean loss and accuracy since the last call, over all ranks (a synchronization point)."""
+        totals = all_reduce_sum(self.stats.totals.clone(), self.context).tolist()
+        self.stats = StepStats.zeros(self.context.device)
+        samples = max(totals[2], 1.0)
+        return {"loss": totals[0] / samples, "accuracy": totals[1] / samples}
+
+    # -- checkpoints --------------------------------------------------------------------------------
+
+    def checkpoint_state(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """Everything needed to continue exactly; collective (every rank contributes its RNG state)."""
+        rng = all_gather_objects(capture_rng_state(self.context.device), self.context)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "backbone": self.module.backbone.state_dict(),
+            "head": self.module.head.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "epoch_samples": self.state.epoch_samples,
+            "rng": rng,
+            "world_size": self.context.world_size,
+            "plan": self.plan.as_dict(),
+            **extra,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
+        """Continue from ``state``. With another world size the dense head resumes (the position and
+        schedule are re-derived from the samples consumed); a sharded head cannot."""
+        same_world = state["world_size"] == self.context.world_size
+        if not same_world and head_is_sharded(self.module.head):
+            raise FacepipeError(
+                f"{source} was written by {state['world_size']} processes and its model-parallel head is split "
+                f"that way; resume with {state['world_size']} processes"
+            )
+        self.module.backbone.load_state_dict(state["backbone"])
+        self.module.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        epoch, epoch_samples = int(state["epoch"]), int(state["epoch_samples"])
+        if same_world:
+            self.scheduler.load_state_dict(state["scheduler"])
+            step = int(state["step"])
+        else:
+            step = epoch * self.plan.steps_per_epoch + epoch_samples // self.plan.effective_batch
+            self._rebase_schedule(step)
+            log.warning(
+                "resuming %s from %d processes with %d: effective batch %d, lr %.4g, continuing at step %d",
+                source,
+                state["world_size"],
+                self.context.world_size,
+                self.plan.effective_batch,
+                self.plan.lr,
+                step,
+            )
+        self.state = TrainState(step=step, epoch=epoch, epoch_samples=epoch_samples)
+        rng = state["rng"]
+        if self.context.rank < len(rng):
+            restore_rng_state(rng[self.context.rank], self.context.device)
+
+    def _rebase_schedule(self, step: int) -> None:
+        """Point the schedule at ``step`` with this world's peak rate (not the one in the checkpoint)."""
+        factor = self.scheduler.lr_lambdas[0](step)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.plan.lr
+            group["lr"] = self.plan.lr * factor
+        self.scheduler.base_lrs = [self.plan.lr] * len(self.optimizer.param_groups)
+        self.scheduler.last_epoch = step
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        loader: DataLoader,
+        sampler: ShardOrderSampler,
+        *,
+        options: LoopOptions,
+        metrics: TrainMetrics | None = None,
+    ) -> TrainState:
+        """Train until ``plan.epochs`` are done (or ``options.max_steps`` optimizer steps in all)."""
+        plan, state = self.plan, self.state
+        saved_at = state.step
+        remaining = max(min(plan.total_steps, options.max_steps or plan.total_steps) - state.step, 0)
+        with Progress(remaining, desc="train", unit="step", enabled=self.context.is_main, logger=log) as progress:
+            window = _Window(state.step)
+            while state.epoch < plan.epochs and not self._stop(options):
+                epoch_start = time.perf_counter()
+                sampler.set_epoch(state.epoch, start_sample=state.epoch_samples)
+                for micro_batches in _steps(loader, plan.accum_steps):
+                    self.train_step(micro_batches)
+                    progress.update(1)
+                    if state.step % options.log_every == 0:
+                        self._log(window, metrics)
+                    if self._stop(options) or sampler.epoch_finished(state.epoch_samples):
+                        break  # the checkpoint below covers this step
+                    if options.checkpoint_every and state.step % options.checkpoint_every == 0:
+                        saved_at = self._save(options)
+                if sampler.epoch_finished(state.epoch_samples):
+                    # Count the epoch before saving, so no checkpoint ever points at an epoch's end.
+                    state.epoch += 1
+                    state.epoch_samples = 0
+                    seconds = time.perf_counter() - epoch_start
+                    if metrics is not None:
+                        metrics.log(state.step, {"epoch": state.epoch, "epoch_time_s": seconds})
+                    log.info("epoch %d/%d done in %.1f s", state.epoch, plan.epochs, seconds)
+                if saved_at != state.step:
+                    saved_at = self._save(options)
+            if window.step != state.step:
+                self._log(window, metrics)
+        return state
+
+    def _stop(self, options: LoopOptions) -> bool:
+        return options.max_steps is not None and self.state.step >= options.max_steps
+
+    def _log(self, window: _Window, metrics: TrainMetrics | None) -> None:
+        values = self.collect_stats()
+        elapsed, steps = window.advance(self.state.step)
+        lr = self.last_lr
+        values.update(lr=lr, samples_per_s=steps * self.plan.effective_batch / max(elapsed, 1e-9))
+        self.last_metrics = values
+        log.info(
+            "step %d/%d  epoch %d  loss %.4f  acc %.3f  lr %.4g  %.0f samples/s",
+            self.state.step,
+            self.plan.total_steps,
+            self.state.epoch,
+            values["loss"],
+            values["accuracy"],
+            lr,
+            values["samples_per_s"],
+        )
+        if metrics is not None:
+            metrics.log(self.state.step, values)
+
+    def _save(self, options: LoopOptions) -> int:
+        """Write a checkpoint of the current step (collective; rank 0 writes)."""
+        state = self.checkpoint_state(options.checkpoint_extra)
+        if options.out is not None and self.context.is_main:
+            path = save_checkpoint(options.out, state, step=self.state.step, keep=options.keep_checkpoints)
+            log.info("checkpoint %s", path)
+        return self.state.step
+
+
+class _Window:
+    """Wall time and optimizer steps since the previous metric point."""
+
+    def __init__(self, step: int) -> None:
+        self.time = time.perf_counter()
+        self.step = step
+
+    def advance(self, step: int) -> tuple[float, int]:
+        now = time.perf_counter()
+        elapsed, steps = now - self.time, step - self.step
+        self.time, self.step = now, step
+        return elapsed, steps
+
+
+def _steps(loader: DataLoader, accum_steps: int) -> Iterator[list[Batch]]:
+    """Group the loader's batches into the micro-batches of each optimizer step."""
+    batches = iter(loader)
+    for _ in range(len(loader) // accum_steps):
+        yield [next(batches) for _ in range(accum_steps)]

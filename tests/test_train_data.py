@@ -1,0 +1,203 @@
+"""Training data: shard-aware distributed sampling, identity restriction, seeded augmentation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from train_helpers import synthetic_set
+
+from facepipe.config import AugmentParams
+from facepipe.data.augment import Augmenter, to_tensor
+from facepipe.data.dataset import FaceDataset, make_loader
+from facepipe.data.sampler import ShardOrderSampler, augment_seeds, shuffled_stream
+from facepipe.errors import FacepipeError
+from facepipe.io import ShardSetError
+from facepipe.io.shards import ShardReader
+
+STRONG = AugmentParams(p_hflip=0.5, p_color_jitter=1.0, hue=0.1, p_crop=0.5, p_blur=0.3, p_grayscale=0.2, p_jpeg=0.3)
+
+
+@pytest.fixture(scope="module")
+def shard_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6 identities x 10 samples of 16x16, 16 samples per shard (4 shards, identities sorted)."""
+    return synthetic_set(tmp_path_factory.mktemp("train_data") / "set", identities=6, per_identity=10)
+
+
+def epoch_batches(sampler: ShardOrderSampler, epoch: int, start: int = 0) -> list[list[tuple[int, int]]]:
+    sampler.set_epoch(epoch, start_sample=start)
+    return list(sampler)
+
+
+# -- sampler ------------------------------------------------------------------------------------------
+
+
+ITEM_SHARDS = np.repeat(np.arange(7), [16, 16, 16, 16, 16, 16, 7])  # 103 items in 7 shards
+
+
+@pytest.mark.parametrize("world_size,accum", [(1, 1), (2, 1), (3, 2)])
+def test_ranks_are_disjoint_and_cover_the_epoch(world_size, accum):
+    samplers = [
+        ShardOrderSampler(
+            ITEM_SHARDS, batch_size=4, rank=r, world_size=world_size, accum_steps=accum, buffer_size=8, seed=1
+        )
+        for r in range(world_size)
+    ]
+    per_rank = [[item for batch in epoch_batches(s, 0) for item, _ in batch] for s in samplers]
+    assert len({len(items) for items in per_rank}) == 1  # every rank runs the same number of steps
+    assert all(len(batch) == 4 for s in samplers for batch in epoch_batches(s, 0))
+    everything = [item for items in per_rank for item in items]
+    assert len(everything) == len(set(everything))  # disjoint
+    global_batch = 4 * world_size * accum
+    usable = len(ITEM_SHARDS) // global_batch * global_batch
+    stream = shuffled_stream(ITEM_SHARDS, epoch=0, seed=1, buffer_size=8)
+    assert sorted(everything) == sorted(stream[:usable].tolist())  # drop_last, nothing else missing
+    assert samplers[0].steps_per_epoch() == usable // global_batch
+
+
+def test_each_epoch_is_reshuffled_and_reproducible():
+    sampler = ShardOrderSampler(ITEM_SHARDS, batch_size=8, buffer_size=8, seed=3)
+    first, second = epoch_batches(sampler, 0), epoch_batches(sampler, 1)
+    assert first != second
+    assert first == epoch_batches(ShardOrderSampler(ITEM_SHARDS, batch_size=8, buffer_size=8, seed=3), 0)
+    assert first != epoch_batches(ShardOrderSampler(ITEM_SHARDS, batch_size=8, buffer_size=8, seed=4), 0)
+
+
+def test_reads_stay_within_a_shard_window():
+    """Shards come in a shuffled order, and a window of buffer_size samples spans at most two of them."""
+    for epoch in range(3):
+        stream = shuffled_stream(ITEM_SHARDS, epoch=epoch, seed=0, buffer_size=8)
+        assert sorted(stream.tolist()) == list(range(len(ITEM_SHARDS)))
+        for start in range(0, len(stream), 8):
+            assert len(set(ITEM_SHARDS[stream[start : start + 8]])) <= 2
+    orders = {
+        tuple(dict.fromkeys(ITEM_SHARDS[shuffled_stream(ITEM_SHARDS, epoch=e, seed=0, buffer_size=8)]))
+        for e in range(4)
+    }
+    assert len(orders) > 1  # the shard order changes between epochs
+
+
+def test_a_resumed_epoch_continues_where_it_stopped_for_any_world_size():
+    straight = ShardOrderSampler(ITEM_SHARDS, batch_size=4, rank=0, world_size=1, buffer_size=8)
+    batches = epoch_batches(straight, 2)
+    assert epoch_batches(straight, 2, start=12) == batches[3:]
+    # Two ranks resuming after 12 samples consumed by one: together they take the same stream.
+    pair = [ShardOrderSampler(ITEM_SHARDS, batch_size=4, rank=r, world_size=2, buffer_size=8) for r in range(2)]
+    resumed = {item for s in pair for batch in epoch_batches(s, 2, start=12) for item, _ in batch}
+    stream = shuffled_stream(ITEM_SHARDS, epoch=2, seed=0, buffer_size=8)
+    assert resumed == set(stream[12 : 12 + (len(stream) - 12) // 8 * 8].tolist())
+
+
+def test_augmentation_seeds_differ_between_ranks_and_reproduce():
+    pair = [ShardOrderSampler(ITEM_SHARDS, batch_size=4, rank=r, world_size=2, seed=5) for r in range(2)]
+    seeds = [[seed for batch in epoch_batches(s, 0) for _, seed in batch] for s in pair]
+    assert not set(seeds[0]) & set(seeds[1])
+    assert seeds[0] == [seed for batch in epoch_batches(pair[0], 0) for _, seed in batch]
+    assert not np.array_equal(augment_seeds(10, epoch=0, seed=5), augment_seeds(10, epoch=1, seed=5))
+
+
+# -- augmentation -------------------------------------------------------------------------------------
+
+
+def test_augmentation_depends_only_on_the_seed():
+    image = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    augment = Augmenter(STRONG, image_size=16)
+    first = augment(image, 123)
+    for seed in range(20):  # whatever ran in between (another worker's history)
+        augment(image, seed)
+    assert np.array_equal(augment(image, 123), first)
+    assert np.array_equal(Augmenter(STRONG, image_size=16)(image, 123), first)
+    outputs = {augment(image, seed).tobytes() for seed in range(20)}
+    assert len(outputs) > 15
+    assert first.shape == (16, 16, 3) and first.dtype == np.uint8
+
+
+def test_no_augmentation_is_identity():
+    image = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    none = AugmentParams(p_hflip=0.0)
+    assert Augmenter(none, image_size=16).pipeline is None
+    assert Augmenter(none, image_size=16)(image, 1) is image
+
+
+def test_to_tensor_maps_pixels_to_minus_one_one():
+    image = np.array([[[0, 127, 255]]], dtype=np.uint8)
+    tensor = to_tensor(image)
+    assert tensor.shape == (3, 1, 1) and tensor.dtype == torch.float32 and tensor.is_contiguous()
+    assert tensor.flatten().tolist() == pytest.approx([-1.0, 127 / 127.5 - 1, 1.0])
+
+
+# -- dataset ------------------------------------------------------------------------------------------
+
+
+def test_dataset_items(shard_set):
+    dataset = FaceDataset(shard_set)
+    assert len(dataset) == 60 and dataset.num_classes == 6 and dataset.image_size == 16
+    image, label = dataset[0]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+    assert -1.0 <= image.min() and image.max() <= 1.0
+    assert label == 0 and dataset.shards.record(0).label == 0
+
+
+def test_identity_restriction_remaps_labels_without_reading_images(shard_set, tmp_path, monkeypatch):
+    def no_image_reads(self, index):  # the label indexes alone must decide
+        raise AssertionError("read image bytes")
+
+    monkeypatch.setattr(ShardReader, "get", no_image_reads)
+    by_names = FaceDataset(shard_set, identities=["id0004", "id0001"])
+    path = tmp_path / "train_identities.json"
+    path.write_text(json.dumps(["id0001", "id0004"]))
+    by_file = FaceDataset(shard_set, identities=path)
+    monkeypatch.undo()
+    for dataset in (by_names, by_file):
+        assert dataset.class_names == ["id0001", "id0004"]  # labels.json order, whatever the list order
+        assert dataset.num_classes == 2 and len(dataset) == 20
+        assert sorted(set(dataset.labels.tolist())) == [0, 1]
+        for item in (0, 9, 10, 19):
+            original = dataset.shards.record(int(dataset.indices[item])).label
+            assert dataset.class_names[dataset[item][1]] == dataset.shards.identities[original]
+
+
+def test_unknown_or_empty_identity_lists_are_clear_errors(shard_set, tmp_path):
+    with pytest.raises(FacepipeError, match="not in the shard set, e.g. 'nobody'"):
+        FaceDataset(shard_set, identities=["id0001", "nobody"])
+    with pytest.raises(FacepipeError, match="empty"):
+        FaceDataset(shard_set, identities=[])
+    with pytest.raises(FacepipeError, match="identity list not found"):
+        FaceDataset(shard_set, identities=tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"a": 1}')
+    with pytest.raises(FacepipeError, match="JSON list of names"):
+        FaceDataset(shard_set, identities=tmp_path / "bad.json")
+
+
+def test_missing_or_corrupt_shard_sets_are_clear_errors(shard_set, tmp_path):
+    with pytest.raises(ShardSetError, match="shard set not found"):
+        FaceDataset(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ShardSetError, match="no manifest.json"):
+        FaceDataset(tmp_path / "empty")
+    broken = synthetic_set(tmp_path / "broken", identities=2, per_identity=8)
+    (broken / "shards" / "shard-00000.lmdb").write_bytes(b"not an lmdb file" * 100)
+    with pytest.raises(ShardSetError, match="shard-00000.lmdb"):
+        FaceDataset(broken)
+    (broken / "shards" / "shard-00000.lmdb").unlink()
+    with pytest.raises(ShardSetError, match="shard missing"):
+        FaceDataset(broken)
+
+
+@pytest.mark.multiprocess
+def test_loader_batches_do_not_depend_on_the_number_of_workers(shard_set):
+    def batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dataset = FaceDataset(shard_set, seed=0)
+        dataset.augment = Augmenter(STRONG, image_size=dataset.image_size)
+        sampler = ShardOrderSampler(dataset.item_shards, batch_size=8, rank=1, world_size=2, buffer_size=16, seed=0)
+        sampler.set_epoch(1)
+        return list(make_loader(dataset, sampler, num_workers=workers))
+
+    serial, parallel = batches(0), batches(2)
+    assert len(serial) == len(parallel) == 3
+    for (images_a, labels_a), (images_b, labels_b) in zip(serial, parallel):
+        assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)
+        assert images_a.shape == (8, 3, 16, 16) and labels_a.dtype == torch.int64

@@ -1,0 +1,106 @@
+"""Two CPU processes under torchrun (gloo): the DDP path end to end, and exact resume after a kill."""
+
+from __future__ import annotations
+
+import csv
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import (
+    PROBE,
+    PYTHON,
+    TORCHRUN,
+    load_weights,
+    run_process,
+    synthetic_set,
+    write_params,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+
+def losses(out: Path) -> list[float]:
+    with open(out / "plots" / "metrics" / "train" / "loss.tsv") as handle:
+        return [float(row["loss"]) for row in csv.DictReader(handle, delimiter="\t")]
+
+
+def test_two_gloo_processes_stay_in_sync_and_learn(tmp_path):
+    shard_set = synthetic_set(tmp_path / "set", identities=4, per_identity=24)
+    params = write_params(
+        tmp_path / "params.yaml",
+        epochs=5,
+        batch_size=8,
+        accum_steps=2,
+        reference_batch=32,
+        scale=8.0,
+        comm_hook="fp16",
+        num_workers=1,
+        checkpoint_every=4,
+    )
+    out, ranks = tmp_path / "model", tmp_path / "ranks"
+    cmd = [
+        *TORCHRUN,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(PROBE),
+        "--dump-params",
+        str(ranks),
+        "--",
+        "train",
+        str(shard_set),
+        str(out),
+        "--params",
+        str(params),
+    ]
+    result = run_process(cmd, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "2 process(es) x batch 8 x accum 2 = 32 per step" in result.stdout
+    assert result.stdout.count("trained 15/15 steps") == 1  # only rank 0 reports
+    rank0, rank1 = load_weights(ranks / "rank-0.pt"), load_weights(ranks / "rank-1.pt")
+    assert rank0.keys() == rank1.keys() and len(rank0) > 10
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+    backbone = load_weights(out / "backbone.pt")
+    assert all(
+        torch.equal(backbone[name], rank0[f"backbone.{name}"]) for name in backbone if f"backbone.{name}" in rank0
+    )
+    history = losses(out)
+    assert len(history) == 15
+    assert sum(history[-3:]) < 0.5 * sum(history[:3]), history
+    state = torch.load(out / "checkpoints" / "step-00000015.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["rng"]) == 2
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])  # ranks draw differently
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_equals_a_straight_run(tmp_path):
+    """12 steps straight vs. killed (SIGKILL) right after the step-5 checkpoint, then resumed to 12."""
+    shard_set = synthetic_set(tmp_path / "set", identities=4, per_identity=12)
+    params = write_params(tmp_path / "params.yaml", epochs=2, checkpoint_every=5, num_workers=2)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train = ["train", str(shard_set)]
+
+    result = run_process([PYTHON, "-m", "facepipe", *train, str(straight), "--params", str(params)], timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+    killed = [PYTHON, str(PROBE), "--kill-after-checkpoint", "5", "--", *train, str(resumed), "--params", str(params)]
+    result = run_process(killed, timeout=180)
+    assert result.returncode == -signal.SIGKILL, result.stdout[-4000:]
+    assert not (resumed / "backbone.pt").exists()
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["step-00000005.pt"]
+
+    result = run_process([PYTHON, "-m", "facepipe", *train, str(resumed), "--params", str(params)], timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "resuming from" in result.stdout and "step 5, epoch 0" in result.stdout
+
+    a, b = load_weights(straight / "backbone.pt"), load_weights(resumed / "backbone.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+    final_a = torch.load(straight / "checkpoints" / "step-00000012.pt", weights_only=True)
+    final_b = torch.load(resumed / "checkpoints" / "step-00000012.pt", weights_only=True)
+    assert torch.equal(final_a["head"]["weight"], final_b["head"]["weight"])
+    for group_a, group_b in zip(final_a["optimizer"]["state"].values(), final_b["optimizer"]["state"].values()):
+        assert torch.equal(group_a["momentum_buffer"], group_b["momentum_buffer"])
+    assert losses(straight)[5:] == losses(resumed)[5:]  # the history was trimmed and continued
