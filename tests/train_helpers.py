@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,19 +86,26 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def run_process(cmd: list[str], *, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill the whole group (torchrun and its workers)."""
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-3000:]}") from None
-    finally:
-        if proc.poll() is None:
+    """Run ``cmd`` in its own session; afterwards (or on timeout) kill whatever is left of its process
+    group (torchrun's workers, a loader's fork server) so that nothing outlives the test."""
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        timed_out = proc.poll() is None
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.seek(0)
+        output = log.read()
+    if timed_out:
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-3000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, output, None)
 
 

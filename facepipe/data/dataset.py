@@ -155,7 +155,9 @@ def make_loader(
 
     Workers persist across epochs (each keeps its LMDB environments open). The loader has its own
     generator, so creating its iterator never draws from the global torch RNG that a resumed run
-    restores.
+    restores. Workers start from a fork server, not a fork of this process: a process that already
+    runs other threads (a Dask or Prefect client, a logging or OpenMP pool) can fork a child that
+    deadlocks on a lock one of those threads held.
     """
     return DataLoader(
         dataset,
@@ -163,6 +165,7 @@ def make_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
+        multiprocessing_context="forkserver" if num_workers > 0 else None,
         worker_init_fn=_init_worker if num_workers > 0 else None,
         generator=torch.Generator().manual_seed(dataset.seed),
     )
