@@ -44,7 +44,7 @@ class PrepareParams(Section):
         640, ge=64, description="longest image side seen by the detector; larger images are downscaled"
     )
     max_pixels: int = Field(40_000_000, ge=1, description="images above this many pixels are rejected")
-    chunk_size: int = Field(32, ge=1, description="images per unit of parallel work (one detector batch)")
+    chunk_size: int = Field(16, ge=1, description="images per unit of parallel work (one detector batch)")
     samples_per_shard: int = Field(10_000, ge=1)
 
 

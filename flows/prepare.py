@@ -13,13 +13,14 @@ from typing import Any
 
 import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import PrepareParams, load_section
-from facepipe.data.extract import Outcome, process_chunk
+from facepipe.data.extract import Outcome, process_chunk, warm_up
 from facepipe.errors import FacepipeError
-from facepipe.parallel import default_workers
+from facepipe.parallel import default_workers, worker_config
 from facepipe.stages import prepare as prepare_stage
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE as NO_CACHE
+from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 from flows.api import share_api_with_workers
@@ -37,12 +38,20 @@ def prepare_flow(
 ) -> dict[str, Any]:
     """Prepare ``raw`` into the shard set ``out`` with the ``prepare`` section of ``params_file``."""
     params = load_section(params_file, "prepare")
+
+    def warm() -> None:
+        # every Dask worker loads the detector at once, before the first chunk task
+        runner = FlowRunContext.get().task_runner
+        if isinstance(runner, DaskTaskRunner):
+            runner.client.run(warm_up, params, device)  # starts the cluster if not yet started
+
     report = prepare_stage.run(
         params,
         raw,
         out,
         workers=workers,
         submit=lambda paths: prepare_chunk.submit(paths, str(Path(raw)), params, device),
+        warm=warm,
         progress=False,
     )
     counts = report["counts"]
@@ -81,9 +90,10 @@ def run_prepare_flow(
                 "dashboard_address": None,
             }
         )
-    return prepare_flow.with_options(task_runner=runner)(
-        str(raw), str(out), params_file=str(params_file), workers=workers, device=device
-    )
+    with worker_config():  # the task runner starts its cluster inside the flow
+        return prepare_flow.with_options(task_runner=runner)(
+            str(raw), str(out), params_file=str(params_file), workers=workers, device=device
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

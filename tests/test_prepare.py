@@ -20,7 +20,7 @@ from facepipe.cli import main
 from facepipe.config import PrepareParams
 from facepipe.data.extract import _gate
 from facepipe.data.scan import scan_raw
-from facepipe.detection import Face, MTCNNDetector, select_face
+from facepipe.detection import Face, select_face
 from facepipe.io import ShardSet
 from facepipe.stages import prepare
 from facepipe.stages.inspect import verify
@@ -80,20 +80,25 @@ def test_records_are_self_describing(prepared):
 
 
 def test_aligned_eyes_land_on_the_template(prepared):
+    """Re-detect the aligned faces with facenet-pytorch's own MTCNN (an independent implementation of
+    the cascade): the eye centres land on the ArcFace template within the detector's own jitter."""
+    from facenet_pytorch import MTCNN
+
     out, _ = prepared
-    detector = MTCNNDetector(min_face_size=40)
+    reference = MTCNN(keep_all=True, min_face_size=40, device="cpu")
     shard_set = ShardSet(out)
-    checked = 0
+    errors = []
     for index in range(len(shard_set)):
         face = shard_set.record(index).image()
         canvas = np.full((224, 224, 3), 128, np.uint8)
         canvas[56:168, 56:168] = face  # margin so the detector sees the whole head
-        faces = detector.detect([canvas])[0]
-        assert faces, shard_set.record(index).path
-        eyes = faces[0].landmarks[:2] - 56
-        assert np.abs(eyes - template(112)[:2]).max() < 4.0, (shard_set.record(index).path, eyes)
-        checked += 1
-    assert checked == 7
+        boxes, _, landmarks = reference.detect(canvas, landmarks=True)
+        assert boxes is not None, shard_set.record(index).path
+        landmarks = np.asarray(landmarks, dtype=np.float32)  # numpy 2: object arrays
+        eyes = landmarks[0][:2] - 56
+        errors.append(np.abs(eyes - template(112)[:2]).max())
+    assert len(errors) == 7
+    assert np.median(errors) < 3.0 and max(errors) < 5.0, errors
 
 
 def test_manifest_has_no_paths_hosts_or_times(prepared):

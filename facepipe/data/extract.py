@@ -40,12 +40,19 @@ class Outcome:
 @functools.lru_cache(maxsize=4)
 def get_detector(min_face_size: int, detect_size: int, device: str) -> MTCNNDetector:
     """One detector per process and setting: loading the weights costs more than a small chunk."""
+    import cv2
     import torch
 
     # Parallelism comes from worker processes; one intra-op thread each also makes the numerics
     # independent of the machine's core count, so any worker gives byte-identical output.
     torch.set_num_threads(1)
+    cv2.setNumThreads(1)
     return MTCNNDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
+
+
+def warm_up(params: PrepareParams, device: str = "auto") -> None:
+    """Import torch and load the detector in this process, so the first chunk does not pay for it."""
+    get_detector(params.min_face_size, params.detect_size, device)
 
 
 def _gate(faces: list[Face], params: PrepareParams, shape: tuple[int, ...]) -> Face:

@@ -1,0 +1,83 @@
+"""facepipe's MTCNN cascade on real faces, against facenet-pytorch's own ``MTCNN.detect``."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+
+from facepipe.detection import MTCNNDetector
+from rawdata import astronaut, hopper
+
+
+@pytest.fixture(scope="module")
+def detector():
+    return MTCNNDetector(min_face_size=40, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from facenet_pytorch import MTCNN
+
+    return MTCNN(keep_all=True, min_face_size=40, device="cpu")
+
+
+def photos() -> dict[str, np.ndarray]:
+    h, a = hopper(), astronaut()
+    small = cv2.resize(h, (h.shape[1] * 2 // 5, h.shape[0] * 2 // 5), interpolation=cv2.INTER_AREA)
+    tilted = cv2.warpAffine(a, cv2.getRotationMatrix2D((256, 200), 15, 0.8), (512, 512), borderValue=(40, 90, 30))
+    return {"hopper": h, "astronaut": a, "hopper_small": small, "astronaut_tilted": tilted}
+
+
+def iou(a: np.ndarray, b: np.ndarray) -> float:
+    w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = w * h
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+@pytest.mark.parametrize("name", ["hopper", "astronaut", "hopper_small", "astronaut_tilted"])
+def test_same_face_and_landmarks_as_facenet_pytorch(detector, reference, name):
+    image = photos()[name]
+    faces = detector.detect([image])[0]
+    boxes, scores, landmarks = reference.detect(image, landmarks=True)
+    boxes = np.asarray(boxes, dtype=np.float32)  # numpy 2: object arrays
+    landmarks = np.asarray(landmarks, dtype=np.float32)
+    ours = max((f for f in faces if f.score >= 0.95), key=lambda f: f.area)
+    theirs = int(np.argmax((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])))
+    assert iou(ours.box, boxes[theirs]) > 0.85
+    # Only the resampling differs (OpenCV area vs torch area): landmarks agree to ~2 % of the face.
+    assert np.abs(ours.landmarks - landmarks[theirs]).max() < 0.03 * ours.size
+    assert abs(ours.score - float(np.asarray(scores, dtype=np.float32)[theirs])) < 0.01
+
+
+def test_a_batch_gives_what_single_images_give(detector):
+    """Equal-size photos share one padded P-Net batch and R/O-Net see the whole chunk: same faces."""
+    pics = photos()
+    a = pics["astronaut"]
+    b = pics["astronaut_tilted"]  # same size as a: one bucket
+    c = pics["hopper"]  # another bucket
+    together = detector.detect([a, c, b, a])
+    alone = [detector.detect([image])[0] for image in (a, c, b, a)]
+    for batch_faces, single_faces in zip(together, alone):
+        assert len(batch_faces) == len(single_faces)
+        for x, y in zip(batch_faces, single_faces):
+            np.testing.assert_allclose(x.box, y.box, atol=1e-3)
+            np.testing.assert_allclose(x.landmarks, y.landmarks, atol=1e-3)
+    assert together[0][0].score == together[3][0].score
+
+
+def test_no_face_and_tiny_images(detector):
+    flat = np.full((300, 400, 3), 128, np.uint8)
+    tiny = np.full((20, 20, 3), 200, np.uint8)
+    assert detector.detect([flat, tiny]) == [[], []]
+    assert detector.detect([]) == []
+
+
+def test_large_photos_are_downscaled_and_mapped_back(detector):
+    """A photo larger than ``detect_size`` is detected at reduced size; boxes come back in its own pixels."""
+    a = photos()["astronaut"]
+    big = cv2.resize(a, (a.shape[1] * 3, a.shape[0] * 3), interpolation=cv2.INTER_CUBIC)
+    small_face = max(detector.detect([a])[0], key=lambda f: f.area)
+    big_face = max(detector.detect([big])[0], key=lambda f: f.area)
+    np.testing.assert_allclose(big_face.landmarks / 3, small_face.landmarks, atol=2.0)
