@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import facepipe  # noqa: F401  (offline environment defaults)
 from facepipe.config import TrainParams
-from facepipe.data.augment import Augmenter, to_tensor
+from facepipe.data.augment import Augmenter, to_tensor, to_uint8_tensor
 from facepipe.data.dataset import FaceDataset, make_loader
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.io.records import decode_image, decode_record
@@ -57,8 +57,9 @@ def median_pair(a: Callable[[], float], b: Callable[[], float], repeats: int) ->
     return statistics.median(results_a), statistics.median(results_b)
 
 
-def dataset_for(root: Path, params: TrainParams) -> FaceDataset:
-    dataset = FaceDataset(root, seed=params.seed)
+def dataset_for(root: Path, params: TrainParams, *, normalize: bool = False) -> FaceDataset:
+    """The train stage's dataset: uint8 batches (normalized on the device) unless ``normalize``."""
+    dataset = FaceDataset(root, seed=params.seed, normalize=normalize)
     dataset.augment = Augmenter(params.augment, image_size=dataset.image_size)
     return dataset
 
@@ -86,10 +87,12 @@ def loader_rate(dataset: FaceDataset, *, batch: int, workers: int, epochs: int) 
 
 
 def plain_loop_rate(dataset: FaceDataset, *, batch: int, epochs: int) -> Callable[[], float]:
-    """Images/s of decode + augment + normalize + stack over JPEG bytes already in memory."""
+    """Images/s of decode + augment + tensor conversion + stack over JPEG bytes already in memory
+    (the same conversion as the dataset's: uint8, or float32 in [-1, 1])."""
     payloads = [decode_record(dataset.read(item)).payload for item in range(len(dataset))]
     labels = torch.as_tensor(dataset.labels)
     pipeline = dataset.augment.pipeline
+    convert = to_tensor if dataset.normalize else to_uint8_tensor
     usable = len(payloads) // batch * batch
 
     def measure() -> float:
@@ -101,7 +104,7 @@ def plain_loop_rate(dataset: FaceDataset, *, batch: int, epochs: int) -> Callabl
                 images = [decode_image(payloads[i]) for i in chosen]
                 if pipeline is not None:
                     images = [pipeline(image=image)["image"] for image in images]
-                torch.stack([to_tensor(image) for image in images]), labels[chosen]
+                torch.stack([convert(image) for image in images]), labels[chosen]
         return usable * epochs / (time.perf_counter() - start)
 
     return measure
@@ -271,27 +274,30 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
         )
         params = TrainParams(augment=AUGMENT)
-        dataset = dataset_for(root, params)
+        datasets = {"uint8": dataset_for(root, params), "float32": dataset_for(root, params, normalize=True)}
+        dataset = datasets["uint8"]
         epochs = 1 if quick else 2
         threads = torch.get_num_threads()
         # One intra-op thread for the data path, as in a loader worker: on a busy machine a second
         # OpenMP thread turns a 10 MB torch.stack into 100+ ms of spinning, which measures the
         # machine, not the loader.
         torch.set_num_threads(1)
-        if "loader" in parts:
-            a, b = median_pair(
-                loader_rate(dataset, batch=64, workers=0, epochs=epochs),
-                plain_loop_rate(dataset, batch=64, epochs=epochs),
-                repeats,
-            )
-            report("1. DataLoader(num_workers=0) vs plain loop", a, b, "images/s", 0.9)
-        if "scaling" in parts:
-            a, b = median_pair(
-                loader_rate(dataset, batch=64, workers=2, epochs=epochs),
-                loader_rate(dataset, batch=64, workers=0, epochs=epochs),
-                repeats,
-            )
-            report("2. DataLoader num_workers=2 vs 0", a, b, "images/s", 1.7)
+        # uint8 is what the train stage loads (normalized on the device); float32 batches for comparison.
+        for kind, data in datasets.items():
+            if "loader" in parts:
+                a, b = median_pair(
+                    loader_rate(data, batch=64, workers=0, epochs=epochs),
+                    plain_loop_rate(data, batch=64, epochs=epochs),
+                    repeats,
+                )
+                report(f"1. DataLoader(num_workers=0) vs plain loop, {kind}", a, b, "images/s", 0.9)
+            if "scaling" in parts:
+                a, b = median_pair(
+                    loader_rate(data, batch=64, workers=2, epochs=epochs),
+                    loader_rate(data, batch=64, workers=0, epochs=epochs),
+                    repeats,
+                )
+                report(f"2. DataLoader num_workers=2 vs 0, {kind}", a, b, "images/s", 1.7)
         torch.set_num_threads(threads)
         if "train" in parts:
             cpu = device.type == "cpu"

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from facepipe.io import ShardReader, ShardSet, ShardSetError, ShardWriter, decode_record, encode_record
-from facepipe.io.records import RecordError, decode_image, encode_image
+import pickle
+
+from facepipe.io.records import RecordError, decode_header, decode_image, encode_image, payload_offset
 from facepipe.io.synthetic import write_synthetic_shard_set
 
 
@@ -24,6 +26,17 @@ def test_record_rejects_foreign_bytes():
     data[3] = 99
     with pytest.raises(RecordError, match="version 99"):
         decode_record(bytes(data))
+
+
+def test_payload_offset_skips_the_header_and_checks_the_prefix():
+    data = encode_record({"label": 1, "path": "a/b.jpg"}, b"IMAGE")
+    assert payload_offset(data) == decode_header(data)[1] and data[payload_offset(data) :] == b"IMAGE"
+    with pytest.raises(RecordError, match="magic"):
+        payload_offset(b"JFIF" + data[4:])
+    with pytest.raises(RecordError, match="truncated"):
+        payload_offset(data[:12])
+    with pytest.raises(RecordError, match="too short"):
+        payload_offset(data[:5])
 
 
 def write(tmp_path, n, per_shard):
@@ -48,6 +61,22 @@ def test_writer_rolls_by_count_and_reader_reads_back(tmp_path):
     assert reader.record(1).payload == payloads[4]
     with pytest.raises(IndexError):
         reader.get(3)
+    assert reader.get_many([2, 0, 2]) == [reader.get(2), reader.get(0), reader.get(2)]
+    with pytest.raises(IndexError, match="no sample 5"):
+        reader.get_many([0, 5])
+
+
+def test_a_reader_travels_without_its_environment_and_reopens_after_close(tmp_path):
+    """Loader workers receive readers by pickle (no LMDB handle inside) and open their own."""
+    write(tmp_path, 4, 4)
+    reader = ShardReader(tmp_path / "shard-00000.lmdb")
+    first = reader.get(1)
+    copy = pickle.loads(pickle.dumps(reader))
+    assert copy.get(1) == first and len(copy) == 4
+    other = ShardReader(tmp_path / "shard-00000.lmdb")
+    other.get(0)
+    reader.close()  # closes the process-wide environment both readers used
+    assert other.get(1) == first and reader.get_many([1]) == [first]
 
 
 def test_shard_bytes_are_deterministic(tmp_path):

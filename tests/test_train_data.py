@@ -11,7 +11,7 @@ import torch
 from train_helpers import synthetic_set
 
 from facepipe.config import AugmentParams
-from facepipe.data.augment import Augmenter, to_tensor
+from facepipe.data.augment import Augmenter, normalize, to_tensor
 from facepipe.data.dataset import FaceDataset, make_loader
 from facepipe.data.sampler import ShardOrderSampler, augment_seeds, shuffled_stream
 from facepipe.errors import FacepipeError
@@ -187,16 +187,33 @@ def test_missing_or_corrupt_shard_sets_are_clear_errors(shard_set, tmp_path):
         FaceDataset(broken)
 
 
-@pytest.mark.multiprocess
-def test_loader_batches_do_not_depend_on_the_number_of_workers(shard_set):
-    def batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        dataset = FaceDataset(shard_set, seed=0)
-        dataset.augment = Augmenter(STRONG, image_size=dataset.image_size)
-        sampler = ShardOrderSampler(dataset.item_shards, batch_size=8, rank=1, world_size=2, buffer_size=16, seed=0)
-        sampler.set_epoch(1)
-        return list(make_loader(dataset, sampler, num_workers=workers))
+def loader_batches(shard_set: Path, workers: int, normalize: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    dataset = FaceDataset(shard_set, seed=0, normalize=normalize)
+    dataset.augment = Augmenter(STRONG, image_size=dataset.image_size)
+    sampler = ShardOrderSampler(dataset.item_shards, batch_size=8, rank=1, world_size=2, buffer_size=16, seed=0)
+    sampler.set_epoch(1)
+    return list(make_loader(dataset, sampler, num_workers=workers))
 
-    serial, parallel = batches(0), batches(2)
+
+def test_uint8_batches_normalize_to_exactly_the_float_batches(shard_set):
+    floats, pixels = loader_batches(shard_set, 0), loader_batches(shard_set, 0, normalize=False)
+    assert len(floats) == len(pixels) == 3
+    for (images_f, labels_f), (images_u, labels_u) in zip(floats, pixels):
+        assert images_u.dtype == torch.uint8 and images_f.dtype == torch.float32
+        assert torch.equal(normalize(images_u), images_f) and torch.equal(labels_u, labels_f)
+    assert normalize(images_f) is images_f  # float batches pass through
+
+
+def test_batch_reads_equal_single_reads(shard_set):
+    dataset = FaceDataset(shard_set)
+    items = [17, 0, 31, 5, 17]  # across shards, out of order, repeated
+    assert dataset.read_many(items) == [dataset.read(item) for item in items]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("normalized", [True, False])
+def test_loader_batches_do_not_depend_on_the_number_of_workers(shard_set, normalized):
+    serial, parallel = loader_batches(shard_set, 0, normalized), loader_batches(shard_set, 2, normalized)
     assert len(serial) == len(parallel) == 3
     for (images_a, labels_a), (images_b, labels_b) in zip(serial, parallel):
         assert torch.equal(images_a, images_b) and torch.equal(labels_a, labels_b)

@@ -89,6 +89,18 @@ class Augmenter:
         return self.pipeline(image=image)["image"]
 
 
+def to_uint8_tensor(image: np.ndarray) -> torch.Tensor:
+    """[H, W, 3] uint8 RGB -> [3, H, W] uint8 (normalized later, on the device, by :func:`normalize`)."""
+    return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1], the same values :func:`to_tensor` gives; float input passes through."""
+    if images.dtype != torch.uint8:
+        return images
+    return images.to(torch.float32).div_(127.5).sub_(1.0)
+
+
 def to_tensor(image: np.ndarray) -> torch.Tensor:
     """[H, W, 3] uint8 RGB -> [3, H, W] float32 in [-1, 1] (pixel / 127.5 - 1)."""
     # NumPy, not torch: torch's intra-op thread pool costs milliseconds per small tensor when the

@@ -9,10 +9,12 @@ cascade around them is ours, written for throughput on CPU and GPU:
 - R-Net and O-Net see every candidate of the whole chunk in one batch.
 - Pyramid levels and candidate crops are resampled with OpenCV's area interpolation, and the
   networks run in ``channels_last`` layout: on CPU, PyTorch's NCHW max-pooling and area
-  interpolation are several times slower than the convolutions around them.
+  interpolation are several times slower than the convolutions around them. Each pyramid level is
+  made from the one before, and R-Net's crops of large boxes come from the first level.
 
 The numerics follow facenet-pytorch's ``detect_face`` (same scales, thresholds, box regression and
-NMS); resampling differs in rounding only.
+NMS); resampling differs (tests/test_detection.py holds the two implementations' faces and
+landmarks together).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ _BUCKET = 32
 _PNET_MIN = 12.0  # the smallest face P-Net sees, pixels
 _PNET_STRIDE = 2
 _PNET_CELL = 12
+_COARSE_MIN = 48  # R-Net crops come from the first pyramid level when the box is this wide there
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -120,10 +123,14 @@ class MTCNNDetector:
         prepared = [self._resize(image) for image in images]
         smalls = [small for small, _ in prepared]
         scales = [scale for _, scale in prepared]
-        with torch.inference_mode():
-            boxes, owners = self._propose(smalls, scales)
-            boxes, owners = self._refine(smalls, boxes, owners)
-            boxes, points, owners = self._output(smalls, boxes, owners)
+        self._fine: dict[int, tuple[np.ndarray, float, float]] = {}  # id(photo) -> first pyramid level, x/y scale
+        try:
+            with torch.inference_mode():
+                boxes, owners = self._propose(smalls, scales)
+                boxes, owners = self._refine(smalls, boxes, owners)
+                boxes, points, owners = self._output(smalls, boxes, owners)
+        finally:
+            self._fine = {}
         results: list[list[Face]] = [[] for _ in images]
         for box, landmarks, owner in zip(boxes, points, owners):
             scale = scales[owner]
@@ -185,11 +192,17 @@ class MTCNNDetector:
             scale *= self.factor
             shortest *= self.factor
         found, found_owners = [torch.zeros(0, 9, device=self.device)], [torch.zeros(0, dtype=torch.long, device=self.device)]
-        for scale in level_scales:
+        previous = list(images)
+        for level, scale in enumerate(level_scales):
             sizes = [(int(h * scale + 1), int(w * scale + 1)) for h, w in zip(heights, widths)]
             canvas = np.zeros((len(images), max(s[0] for s in sizes), max(s[1] for s in sizes), 3), np.float32)
-            for row, (image, (lh, lw)) in enumerate(zip(images, sizes)):
-                canvas[row, :lh, :lw] = cv2.resize(image, (lw, lh), interpolation=cv2.INTER_AREA)
+            for row, (lh, lw) in enumerate(sizes):
+                # Each level from the one before: reading the whole photo once per level cost more
+                # than P-Net itself. Area resampling of area resampling stays an area average.
+                previous[row] = cv2.resize(previous[row], (lw, lh), interpolation=cv2.INTER_AREA)
+                canvas[row, :lh, :lw] = previous[row]
+                if level == 0:
+                    self._fine[id(images[row])] = (previous[row], lw / widths[row], lh / heights[row])
             reg, probs = self.pnet(_to_input(canvas, self.device))
             prob = probs[:, 1]
             mask = prob >= self.thresholds[0]
@@ -214,8 +227,15 @@ class MTCNNDetector:
 
     # -- stages 2 and 3: every candidate of the chunk in one batch ----------------------------------
 
-    def _crops(self, images: list[np.ndarray], boxes: torch.Tensor, owners: torch.Tensor, size: int) -> np.ndarray:
-        """Resample each box (clipped to its image, 1-based inclusive like facenet's ``pad``) to size x size."""
+    def _crops(
+        self, images: list[np.ndarray], boxes: torch.Tensor, owners: torch.Tensor, size: int, *, coarse: bool = False
+    ) -> np.ndarray:
+        """Resample each box (clipped to its image, 1-based inclusive like facenet's ``pad``) to size x size.
+
+        ``coarse`` (R-Net): a box at least ``_COARSE_MIN`` px wide in the first pyramid level is cut
+        from that level, not from the photo (far fewer pixels to average). R-Net only filters and
+        nudges candidates; O-Net's crops, which place the landmarks, always come from the photo.
+        """
         coords = boxes[:, :4].trunc().int().cpu().numpy()
         owner_list = owners.cpu().tolist()
         out = np.empty((len(coords), size, size, 3), np.float32)
@@ -226,13 +246,19 @@ class MTCNNDetector:
             if ex < x or ey < y:  # the box lies outside its image
                 out[row] = 0.0
                 continue
-            out[row] = cv2.resize(image[y - 1 : ey, x - 1 : ex], (size, size), interpolation=cv2.INTER_AREA)
+            fine = self._fine.get(id(image)) if coarse else None
+            if fine is not None and min(ex - x + 1, ey - y + 1) * min(fine[1], fine[2]) >= _COARSE_MIN:
+                level, sx, sy = fine
+                crop = level[round((y - 1) * sy) : round(ey * sy), round((x - 1) * sx) : round(ex * sx)]
+            else:
+                crop = image[y - 1 : ey, x - 1 : ex]
+            out[row] = cv2.resize(crop, (size, size), interpolation=cv2.INTER_AREA)
         return out
 
     def _refine(self, images, boxes, owners):
         if len(boxes) == 0:
             return boxes, owners
-        offsets, probs = self.rnet(_to_input(self._crops(images, boxes, owners, 24), self.device))
+        offsets, probs = self.rnet(_to_input(self._crops(images, boxes, owners, 24, coarse=True), self.device))
         score = probs[:, 1]
         passed = score > self.thresholds[1]
         boxes = torch.cat([boxes[passed, :4], score[passed].unsqueeze(1)], dim=1)

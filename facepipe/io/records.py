@@ -55,6 +55,22 @@ def encode_record(header: dict[str, Any], payload: bytes) -> bytes:
     return _PREFIX.pack(MAGIC, VERSION, len(head)) + head + payload
 
 
+def payload_offset(data: bytes | memoryview) -> int:
+    """Where the payload of a record starts, checking magic, version and length but not parsing the
+    JSON header: the training hot path needs the image bytes only."""
+    if len(data) < _PREFIX.size:
+        raise RecordError(f"record too short ({len(data)} bytes)")
+    magic, version, head_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise RecordError("not a facepipe record (bad magic)")
+    if version != VERSION:
+        raise RecordError(f"record version {version} is not supported (this facepipe reads {VERSION})")
+    end = _PREFIX.size + head_len
+    if end > len(data):
+        raise RecordError("record truncated inside its header")
+    return end
+
+
 def decode_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """The header of a record and the offset at which its payload starts."""
     if len(data) < _PREFIX.size:
@@ -88,7 +104,7 @@ def encode_image(image: np.ndarray, *, encoding: str = "jpeg", quality: int = 95
     return buffer.getvalue()
 
 
-def decode_image(payload: bytes) -> np.ndarray:
+def decode_image(payload: bytes | memoryview) -> np.ndarray:
     """JPEG or PNG bytes -> [H, W, 3] uint8 RGB."""
     with Image.open(io.BytesIO(payload)) as pil:
         return np.asarray(pil.convert("RGB"))

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,15 +159,20 @@ class ShardWriter:
 
 
 _readonly_envs: dict[tuple[int, int], lmdb.Environment] = {}
+# Bumped whenever an environment of the cache is closed (a fork, ShardReader.close): readers hold on
+# to their environment between reads and look it up again only after a bump.
+_envs_epoch = 0
 
 
 def _forget_inherited_envs() -> None:
     # An LMDB environment must not be used across fork(), and py-lmdb refuses to open a file again in
     # a child that inherited it open. Closing the child's copy of a read-only, lock-free environment
     # releases nothing the parent holds (no lock table; munmap and close act on this process only).
+    global _envs_epoch
     for env in _readonly_envs.values():
         env.close()
     _readonly_envs.clear()
+    _envs_epoch += 1
 
 
 os.register_at_fork(after_in_child=_forget_inherited_envs)
@@ -196,17 +201,34 @@ class ShardReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._len: int | None = None
+        self._env: lmdb.Environment | None = None
+        self._env_epoch = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An environment never travels to another process (a loader worker opens its own).
+        return {"path": self.path, "_len": self._len}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"])
+        self._len = state["_len"]
 
     @property
     def env(self) -> lmdb.Environment:
-        return readonly_env(self.path)
+        # Looked up (one stat) on first use and after a fork or close, not on every read.
+        if self._env is None or self._env_epoch != _envs_epoch:
+            self._env = readonly_env(self.path)
+            self._env_epoch = _envs_epoch
+        return self._env
 
     def close(self) -> None:
         """Close this file's environment in this process (other readers of it reopen on next use)."""
+        global _envs_epoch
         for key, env in list(_readonly_envs.items()):
             if env.path() == str(self.path):
                 env.close()
                 del _readonly_envs[key]
+        _envs_epoch += 1
+        self._env = None
 
     def meta(self) -> dict[str, Any]:
         with self.env.begin() as txn:
@@ -238,6 +260,15 @@ class ShardReader:
         if raw is None:
             raise IndexError(f"{self.path.name}: no sample {index}")
         return raw
+
+    def get_many(self, indexes: Sequence[int]) -> list[bytes]:
+        """The raw record bytes of several samples, read in one transaction (the training loader's batch read)."""
+        with self.env.begin(buffers=False) as txn:
+            records = [txn.get(_KEY.pack(index)) for index in indexes]
+        for index, raw in zip(indexes, records):
+            if raw is None:
+                raise IndexError(f"{self.path.name}: no sample {index}")
+        return records
 
     def record(self, index: int) -> Record:
         return decode_record(self.get(index))

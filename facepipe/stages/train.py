@@ -170,7 +170,8 @@ def _train(
 ) -> TrainReport:
     started = time.perf_counter()
     _warn_single_process(params, context)
-    dataset = FaceDataset(prepared, identities=identities, seed=params.seed)
+    # uint8 batches between processes (4x fewer bytes); the trainer maps them to [-1, 1] on the device
+    dataset = FaceDataset(prepared, identities=identities, seed=params.seed, normalize=False)
     dataset.augment = Augmenter(params.augment, image_size=dataset.image_size)
     plan = make_plan(params, num_samples=len(dataset), world_size=context.world_size)
     _log_plan(dataset, plan)

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
+from facepipe.data.augment import normalize
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import ModelParallelMarginHead
@@ -146,7 +147,8 @@ class Trainer:
     # -- one optimizer step -------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[Batch]) -> float:
-        """One optimizer step over ``micro_batches`` (each images [b, 3, S, S], labels [b]).
+        """One optimizer step over ``micro_batches`` (each images [b, 3, S, S] uint8 pixels or float
+        in [-1, 1], labels [b]).
 
         The loss is the mean over all samples of the step: each micro-batch's mean divided by their
         number, so k micro-batches of b equal one batch of k*b. Returns the learning rate used.
@@ -155,7 +157,7 @@ class Trainer:
         self.model.train()
         last = len(micro_batches) - 1
         for index, (images, labels) in enumerate(micro_batches):
-            images = images.to(device, non_blocking=True)
+            images = normalize(images.to(device, non_blocking=True))  # uint8 batches: [-1, 1] on the device
             labels = labels.to(device, non_blocking=True)
             with gradient_sync(self.model, enabled=index == last):
                 with torch.autocast(
