@@ -133,6 +133,7 @@ class Trainer:
         self.plan = plan
         self.module = model
         self.model = wrap_model(model, context, comm_hook=comm_hook, powersgd_rank=powersgd_rank)
+        self.comm_hook = comm_hook if context.enabled else "none"
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.amp_dtype = _AMP_DTYPES[amp]
@@ -245,6 +246,10 @@ class Trainer:
                 step,
             )
         self.state = TrainState(step=step, epoch=epoch, epoch_samples=epoch_samples)
+        if self.comm_hook == "powersgd":
+            # Its error feedback is keyed by DDP gradient buckets, which DDP rebuilds in gradient
+            # order after the first step of every run: it cannot be carried over exactly.
+            log.warning("resuming with comm_hook powersgd: PowerSGD's error feedback starts afresh (not bit-exact)")
         rng = state["rng"]
         if self.context.rank < len(rng):
             restore_rng_state(rng[self.context.rank], self.context.device)
