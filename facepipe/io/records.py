@@ -73,16 +73,7 @@ def payload_offset(data: bytes | memoryview) -> int:
 
 def decode_header(data: bytes | memoryview) -> tuple[dict[str, Any], int]:
     """The header of a record and the offset at which its payload starts."""
-    if len(data) < _PREFIX.size:
-        raise RecordError(f"record too short ({len(data)} bytes)")
-    magic, version, head_len = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise RecordError("not a facepipe record (bad magic)")
-    if version != VERSION:
-        raise RecordError(f"record version {version} is not supported (this facepipe reads {VERSION})")
-    end = _PREFIX.size + head_len
-    if end > len(data):
-        raise RecordError("record truncated inside its header")
+    end = payload_offset(data)
     return json.loads(bytes(data[_PREFIX.size : end])), end
 
 
