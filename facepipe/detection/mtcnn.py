@@ -35,6 +35,9 @@ _PNET_STRIDE = 2
 _PNET_CELL = 12
 _COARSE_MIN = 48  # R-Net crops come from the first pyramid level when the box is this wide there
 
+#: A photo's first pyramid level, and its x and y scale relative to the photo.
+Level = tuple[np.ndarray, float, float]
+
 
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
@@ -123,14 +126,10 @@ class MTCNNDetector:
         prepared = [self._resize(image) for image in images]
         smalls = [small for small, _ in prepared]
         scales = [scale for _, scale in prepared]
-        self._fine: dict[int, tuple[np.ndarray, float, float]] = {}  # id(photo) -> first pyramid level, x/y scale
-        try:
-            with torch.inference_mode():
-                boxes, owners = self._propose(smalls, scales)
-                boxes, owners = self._refine(smalls, boxes, owners)
-                boxes, points, owners = self._output(smalls, boxes, owners)
-        finally:
-            self._fine = {}
+        with torch.inference_mode():
+            boxes, owners, first_levels = self._propose(smalls, scales)
+            boxes, owners = self._refine(smalls, boxes, owners, first_levels)
+            boxes, points, owners = self._output(smalls, boxes, owners)
         results: list[list[Face]] = [[] for _ in images]
         for box, landmarks, owner in zip(boxes, points, owners):
             scale = scales[owner]
@@ -151,7 +150,12 @@ class MTCNNDetector:
 
     # -- stage 1: P-Net over an image pyramid, one padded batch per size bucket and scale ----------
 
-    def _propose(self, images: list[np.ndarray], scales: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _propose(
+        self, images: list[np.ndarray], scales: list[float]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, Level]]:
+        """Candidate boxes [K, 5] (squared, in detect-size pixels), their image index [K], and each
+        image's first pyramid level."""
+        first_levels: dict[int, Level] = {}
         buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
         for index, image in enumerate(images):
             h, w = image.shape[:2]
@@ -159,12 +163,12 @@ class MTCNNDetector:
         all_boxes, all_owners = [], []
         for members in (buckets[key] for key in sorted(buckets)):
             minsize = max(_PNET_MIN, self.min_face_size * min(scales[i] for i in members))
-            boxes, owners = self._pnet_bucket([images[i] for i in members], minsize)
+            boxes, owners = self._pnet_bucket(images, members, minsize, first_levels)
             all_boxes.append(boxes)
             all_owners.append(torch.as_tensor(members, device=self.device)[owners])
         boxes, owners = torch.cat(all_boxes), torch.cat(all_owners)
         if len(boxes) == 0:
-            return boxes[:, :5], owners
+            return boxes[:, :5], owners, first_levels
         keep = batched_nms(boxes[:, :4], boxes[:, 4], owners, 0.7)
         boxes, owners = boxes[keep], owners[keep]
         w = boxes[:, 2] - boxes[:, 0]
@@ -179,9 +183,13 @@ class MTCNNDetector:
             ],
             dim=1,
         )
-        return _square(regressed), owners
+        return _square(regressed), owners, first_levels
 
-    def _pnet_bucket(self, images: list[np.ndarray], minsize: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pnet_bucket(
+        self, all_images: list[np.ndarray], members: list[int], minsize: float, first_levels: dict[int, Level]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """P-Net over the pyramid of ``all_images[members]``: boxes [K, 9] and their row in ``members``."""
+        images = [all_images[index] for index in members]
         heights = [image.shape[0] for image in images]
         widths = [image.shape[1] for image in images]
         m = _PNET_MIN / minsize
@@ -202,7 +210,7 @@ class MTCNNDetector:
                 previous[row] = cv2.resize(previous[row], (lw, lh), interpolation=cv2.INTER_AREA)
                 canvas[row, :lh, :lw] = previous[row]
                 if level == 0:
-                    self._fine[id(images[row])] = (previous[row], lw / widths[row], lh / heights[row])
+                    first_levels[members[row]] = (previous[row], lw / widths[row], lh / heights[row])
             reg, probs = self.pnet(_to_input(canvas, self.device))
             prob = probs[:, 1]
             mask = prob >= self.thresholds[0]
@@ -228,13 +236,19 @@ class MTCNNDetector:
     # -- stages 2 and 3: every candidate of the chunk in one batch ----------------------------------
 
     def _crops(
-        self, images: list[np.ndarray], boxes: torch.Tensor, owners: torch.Tensor, size: int, *, coarse: bool = False
+        self,
+        images: list[np.ndarray],
+        boxes: torch.Tensor,
+        owners: torch.Tensor,
+        size: int,
+        first_levels: dict[int, Level] | None = None,
     ) -> np.ndarray:
         """Resample each box (clipped to its image, 1-based inclusive like facenet's ``pad``) to size x size.
 
-        ``coarse`` (R-Net): a box at least ``_COARSE_MIN`` px wide in the first pyramid level is cut
-        from that level, not from the photo (far fewer pixels to average). R-Net only filters and
-        nudges candidates; O-Net's crops, which place the landmarks, always come from the photo.
+        With ``first_levels`` (R-Net): a box at least ``_COARSE_MIN`` px wide in its image's first
+        pyramid level is cut from that level, not from the photo (far fewer pixels to average). R-Net
+        only filters and nudges candidates; O-Net's crops, which place the landmarks, always come from
+        the photo.
         """
         coords = boxes[:, :4].trunc().int().cpu().numpy()
         owner_list = owners.cpu().tolist()
@@ -246,7 +260,7 @@ class MTCNNDetector:
             if ex < x or ey < y:  # the box lies outside its image
                 out[row] = 0.0
                 continue
-            fine = self._fine.get(id(image)) if coarse else None
+            fine = first_levels.get(owner) if first_levels else None
             if fine is not None and min(ex - x + 1, ey - y + 1) * min(fine[1], fine[2]) >= _COARSE_MIN:
                 level, sx, sy = fine
                 crop = level[round((y - 1) * sy) : round(ey * sy), round((x - 1) * sx) : round(ex * sx)]
@@ -255,10 +269,10 @@ class MTCNNDetector:
             out[row] = cv2.resize(crop, (size, size), interpolation=cv2.INTER_AREA)
         return out
 
-    def _refine(self, images, boxes, owners):
+    def _refine(self, images, boxes, owners, first_levels):
         if len(boxes) == 0:
             return boxes, owners
-        offsets, probs = self.rnet(_to_input(self._crops(images, boxes, owners, 24, coarse=True), self.device))
+        offsets, probs = self.rnet(_to_input(self._crops(images, boxes, owners, 24, first_levels), self.device))
         score = probs[:, 1]
         passed = score > self.thresholds[1]
         boxes = torch.cat([boxes[passed, :4], score[passed].unsqueeze(1)], dim=1)
