@@ -90,6 +90,16 @@ def test_second_repro_does_nothing_and_status_is_clean(project):
     assert "up to date" in status.stdout
 
 
+def test_a_rerun_of_prepare_with_the_same_result_stops_there(project):
+    """report.json (timings) changes on every prepare run; the stages after it depend on the shards,
+    manifest and labels only, so identical shards leave them up to date."""
+    root, env, _ = project
+    forced = run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "prepare"], root, env)
+    assert "Running stage 'prepare'" in forced.stdout
+    again = run([sys.executable, "-m", "dvc", "repro"], root, env)
+    assert "Running stage" not in again.stdout, again.stdout
+
+
 def test_metrics_and_plots_render_offline(project):
     root, env, _ = project
     shown = json.loads(run([sys.executable, "-m", "dvc", "metrics", "show", "--json"], root, env).stdout)
