@@ -167,7 +167,6 @@ def make_loader(
     *,
     num_workers: int,
     pin_memory: bool = False,
-    prefetch_factor: int = 2,
 ) -> DataLoader:
     """A DataLoader of (images [b, 3, S, S] float32 in [-1, 1], labels [b] int64) batches.
 
@@ -183,7 +182,6 @@ def make_loader(
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
         multiprocessing_context="forkserver" if num_workers > 0 else None,
         worker_init_fn=_init_worker if num_workers > 0 else None,
         generator=torch.Generator().manual_seed(dataset.seed),

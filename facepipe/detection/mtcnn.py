@@ -25,6 +25,7 @@ from collections import defaultdict
 import cv2
 import numpy as np
 import torch
+from facenet_pytorch.models.utils.detect_face import batched_nms_numpy, bbreg, rerec
 from torchvision.ops import batched_nms
 
 from facepipe.detection.base import Face
@@ -49,48 +50,6 @@ def _to_input(batch: np.ndarray, device: torch.device) -> torch.Tensor:
     """[N, H, W, 3] float32 pixels -> [N, 3, H, W] channels_last tensor scaled to about [-1, 1]."""
     tensor = torch.from_numpy(batch).to(device).permute(0, 3, 1, 2)
     return (tensor - 127.5) * 0.0078125
-
-
-def _square(boxes: torch.Tensor) -> torch.Tensor:
-    """Grow [N, >=4] (x1, y1, x2, y2, ...) boxes to squares around their centres (facenet's ``rerec``)."""
-    boxes = boxes.clone()
-    w = boxes[:, 2] - boxes[:, 0]
-    h = boxes[:, 3] - boxes[:, 1]
-    side = torch.maximum(w, h)
-    boxes[:, 0] = boxes[:, 0] + w * 0.5 - side * 0.5
-    boxes[:, 1] = boxes[:, 1] + h * 0.5 - side * 0.5
-    boxes[:, 2] = boxes[:, 0] + side
-    boxes[:, 3] = boxes[:, 1] + side
-    return boxes
-
-
-def _regress(boxes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Apply [N, 4] box-regression offsets, in units of box size (facenet's ``bbreg``)."""
-    boxes = boxes.clone()
-    w = boxes[:, 2] - boxes[:, 0] + 1
-    h = boxes[:, 3] - boxes[:, 1] + 1
-    boxes[:, 0] += offsets[:, 0] * w
-    boxes[:, 1] += offsets[:, 1] * h
-    boxes[:, 2] += offsets[:, 2] * w
-    boxes[:, 3] += offsets[:, 3] * h
-    return boxes
-
-
-def _nms_min(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
-    """Greedy NMS with overlap = intersection / smaller area (MTCNN's last stage); indexes kept."""
-    x1, y1, x2, y2 = boxes[:, 0], boxes[:, 1], boxes[:, 2], boxes[:, 3]
-    area = (x2 - x1 + 1) * (y2 - y1 + 1)
-    order = np.argsort(scores, kind="stable")
-    keep = []
-    while order.size:
-        i = order[-1]
-        keep.append(i)
-        rest = order[:-1]
-        w = np.maximum(0.0, np.minimum(x2[i], x2[rest]) - np.maximum(x1[i], x1[rest]) + 1)
-        h = np.maximum(0.0, np.minimum(y2[i], y2[rest]) - np.maximum(y1[i], y1[rest]) + 1)
-        overlap = w * h / np.minimum(area[i], area[rest])
-        order = rest[overlap <= threshold]
-    return np.asarray(keep, dtype=np.int64)
 
 
 class MTCNNDetector:
@@ -183,7 +142,7 @@ class MTCNNDetector:
             ],
             dim=1,
         )
-        return _square(regressed), owners, first_levels
+        return rerec(regressed), owners, first_levels
 
     def _pnet_bucket(
         self, all_images: list[np.ndarray], members: list[int], minsize: float, first_levels: dict[int, Level]
@@ -279,7 +238,7 @@ class MTCNNDetector:
         owners, offsets = owners[passed], offsets[passed]
         keep = batched_nms(boxes[:, :4], boxes[:, 4], owners, 0.7)
         boxes, owners, offsets = boxes[keep], owners[keep], offsets[keep]
-        return _square(_regress(boxes, offsets)), owners
+        return rerec(bbreg(boxes, offsets)), owners
 
     def _output(self, images, boxes, owners) -> tuple[np.ndarray, np.ndarray, list[int]]:
         if len(boxes) == 0:
@@ -294,13 +253,7 @@ class MTCNNDetector:
         points = torch.stack(
             [w * landmarks[:, :5] + boxes[:, :1] - 1, h * landmarks[:, 5:] + boxes[:, 1:2] - 1], dim=2
         )
-        boxes = _regress(boxes, offsets)
-        boxes_np = boxes.float().cpu().numpy()
-        points_np = points.float().cpu().numpy()
-        owners_np = owners.cpu().numpy()
-        keep = []
-        for owner in np.unique(owners_np):
-            members = np.flatnonzero(owners_np == owner)
-            keep.extend(members[_nms_min(boxes_np[members, :4], boxes_np[members, 4], 0.7)])
-        keep = np.sort(np.asarray(keep, dtype=np.int64))
-        return boxes_np[keep], points_np[keep], owners_np[keep].tolist()
+        boxes = bbreg(boxes, offsets)
+        # MTCNN's last NMS: overlap measured against the smaller box, per image
+        keep = batched_nms_numpy(boxes[:, :4], boxes[:, 4], owners, 0.7, "Min").sort().values
+        return boxes[keep].float().cpu().numpy(), points[keep].float().cpu().numpy(), owners[keep].tolist()
