@@ -19,9 +19,11 @@ from facepipe.evaluation.verification import verification_metrics
 from facepipe.io.manifest import build_manifest, write_metadata
 from facepipe.io.model_dir import ModelSpec, save_model_dir
 from facepipe.io.records import encode_image, encode_record
-from facepipe.io.shards import ShardWriter
+from facepipe.io.shards import ShardSet, ShardWriter
 from facepipe.io.synthetic import write_synthetic_shard_set
 from facepipe.models import create_backbone
+from facepipe.models.backbone import Backbone
+from facepipe.models.registry import BACKBONES
 from facepipe.stages import evaluate, split
 
 SIZE = 32  # small faces keep the real backbone fast on a CPU
@@ -142,13 +144,25 @@ def test_metrics_dict_reports_tar_where_measurable_and_a_note_where_not() -> Non
 # --- LFW pairs.txt ----------------------------------------------------------------------------------
 
 
-def write_lfw_shard_set(root: Path, images: dict[str, int], *, prefix: str = "lfw/") -> Path:
-    """A shard set whose records come from ``{prefix}name/name_000N.jpg``, N = 1 .. images[name]."""
+def write_lfw_shard_set(
+    root: Path, images: dict[str, int], *, prefix: str = "lfw/", grey_levels: list[int] | None = None
+) -> Path:
+    """A shard set whose records come from ``{prefix}name/name_000N.jpg``, N = 1 .. images[name].
+
+    Faces are random noise, or with ``grey_levels`` uniform grey, sample ``i`` (in write order) at
+    ``grey_levels[i]``.
+    """
     rng = np.random.default_rng(0)
+    index = 0
     with ShardWriter(root / "shards", samples_per_shard=8) as writer:
         for label, (name, count) in enumerate(images.items()):
             for number in range(1, count + 1):
-                payload = encode_image(rng.integers(0, 256, size=(SIZE, SIZE, 3), dtype=np.uint8))
+                if grey_levels is None:
+                    face = rng.integers(0, 256, size=(SIZE, SIZE, 3), dtype=np.uint8)
+                else:
+                    face = np.full((SIZE, SIZE, 3), grey_levels[index], np.uint8)
+                index += 1
+                payload = encode_image(face)
                 header = {"label": label, "path": prefix + lfw_image_key(name, number), "encoding": "jpeg"}
                 writer.write(encode_record(header, payload), label=label)
         shards = writer.close()
@@ -230,6 +244,159 @@ def test_parse_lfw_pairs() -> None:
 def test_parse_lfw_pairs_errors(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_lfw_pairs(text)
+
+
+# --- known embeddings: metrics against an independent computation ---------------------------------
+#
+# A planted backbone maps each face of the LFW-style set to a known unit vector at angle ANGLES[i]
+# (sample i in write order), so every pair's score is cos(angle difference), known in advance. The
+# angle differences are distinct (no ties between kinds), and one different pair (Ann_Lee 4 vs
+# Di_Maria 1, 5 degrees apart) outranks every same pair, so the metrics are neither 0 nor 1.
+#   same-pair differences:      7 19 40 12 33 21 11 34 23 44
+#   different-pair differences: 45 38 26 5 45 110 143 76 154 99
+# AUC: same pairs closer than each different pair, summed: 0+6+8+10+10+50 = 84 of 100 -> 0.84.
+# Best split: accept differences <= 44 degrees: 10 same + 7 different rejected = 17 of 20 -> 0.85.
+
+ANGLES = [0, 7, 19, 40, 90, 101, 124, 200, 244, 45]  # Ann_Lee 1-4, Bo_Yang 1-3, Cy_Twombly 1-2, Di_Maria 1
+GREY_BASE, GREY_STEP = 20, 20  # sample i is a uniform face of grey GREY_BASE + i * GREY_STEP
+
+
+class GreyLookup(Backbone):
+    """[B, 3, S, S] uniform grey faces -> the planted vector of their grey level ([B, E] rows of ``table``).
+
+    Levels are GREY_STEP apart, far more than JPEG moves a uniform face, and a mirror is the same face.
+    """
+
+    def __init__(self, *, embedding_size: int, image_size: int) -> None:
+        super().__init__(embedding_size=embedding_size, image_size=image_size)
+        self.table = nn.Parameter(torch.zeros(len(ANGLES), embedding_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        level = (x.mean(dim=(1, 2, 3)) + 1) * 127.5
+        index = torch.round((level - GREY_BASE) / GREY_STEP).long().clamp(0, len(ANGLES) - 1)
+        return self.table[index]
+
+
+def planted_vectors() -> np.ndarray:
+    """[10, 2] float64 unit vectors at ANGLES (degrees)."""
+    radians = np.deg2rad(ANGLES)
+    return np.stack([np.cos(radians), np.sin(radians)], axis=1)
+
+
+@pytest.fixture
+def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """(model folder of a GreyLookup with planted vectors, LFW-style shard set of grey faces).
+
+    The model goes through the real save / load path (``model.json`` + weights_only state dict).
+    """
+    monkeypatch.setitem(BACKBONES._entries, "grey_lookup", GreyLookup)
+    spec = ModelSpec(backbone="grey_lookup", embedding_size=2, image_size=SIZE)
+    model = GreyLookup(embedding_size=2, image_size=SIZE)
+    with torch.no_grad():
+        model.table.copy_(torch.from_numpy(planted_vectors()))
+    save_model_dir(tmp_path / "model", model, spec)
+    levels = [GREY_BASE + i * GREY_STEP for i in range(len(ANGLES))]
+    prepared = write_lfw_shard_set(tmp_path / "prepared", LFW_NAMES, grey_levels=levels)
+    return tmp_path / "model", prepared
+
+
+def lfw_pair_indexes() -> tuple[np.ndarray, np.ndarray]:
+    """([20, 2] sample indexes, [20] same) of ``lfw_pairs_text()``, resolved by hand from LFW_NAMES."""
+    first = {name: sum(list(LFW_NAMES.values())[:k]) for k, name in enumerate(LFW_NAMES)}
+    rows = [line.split("\t") for line in lfw_pairs_text().splitlines()[1:]]
+    indexes, same = [], []
+    for row in rows:
+        if len(row) == 3:
+            row = [row[0], row[1], row[0], row[2]]
+        indexes.append((first[row[0]] + int(row[1]) - 1, first[row[2]] + int(row[3]) - 1))
+        same.append(row[0] == row[2])
+    return np.asarray(indexes), np.asarray(same)
+
+
+def pairs_jsonl(prepared: Path, indexes: np.ndarray, same: np.ndarray) -> str:
+    shard_set = ShardSet(prepared)
+    rows = [
+        {"index1": int(a), "path1": shard_set.record(int(a)).path, "index2": int(b),
+         "path2": shard_set.record(int(b)).path, "same": bool(s)}
+        for (a, b), s in zip(indexes, same)
+    ]
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def brute_best(scores: np.ndarray, same: np.ndarray) -> tuple[float, float]:
+    """(lowest accepted score, accuracy) of the best rule "same iff score >= t", t over every score
+    and +inf; ties go to the lowest t (the documented rule)."""
+    candidates = sorted(set(scores.tolist())) + [np.inf]
+    accuracies = [np.mean((scores >= t) == same) for t in candidates]
+    best = int(np.argmax(accuracies))
+    return candidates[best], float(accuracies[best])
+
+
+def expected_metrics(indexes: np.ndarray, same: np.ndarray, *, folds: int = 10) -> dict[str, object]:
+    """What evaluate must report for these pairs of the planted set, computed without facepipe."""
+    vectors = planted_vectors()
+    scores = np.sum(vectors[indexes[:, 0]] * vectors[indexes[:, 1]], axis=1)
+    positives, negatives = scores[same], scores[~same]
+    # AUC as the Mann-Whitney statistic: the chance a same pair outscores a different one.
+    auc = np.mean([(p > n) + 0.5 * (p == n) for p in positives for n in negatives])
+    lowest_accepted, best_accuracy = brute_best(scores, same)
+    below = scores[scores < lowest_accepted]
+    threshold = (below.max() + lowest_accepted) / 2 if len(below) else lowest_accepted - 1
+    fold = np.empty(len(same), int)
+    for kind in (True, False):
+        members = np.flatnonzero(same == kind)
+        fold[members] = np.arange(len(members)) * folds // len(members)
+    accuracies = []
+    for k in range(folds):
+        t, _ = brute_best(scores[fold != k], same[fold != k])
+        accuracies.append(np.mean((scores[fold == k] >= t) == same[fold == k]))
+    return {
+        "auc": round(float(auc), 6),
+        "best_accuracy": round(best_accuracy, 6),
+        "best_threshold": round(float(threshold), 6),
+        "fold_accuracies": [round(float(a), 6) for a in accuracies],
+        "accuracy_mean": round(float(np.mean(accuracies)), 6),
+        "num_same": int(same.sum()),
+        "num_different": int((~same).sum()),
+    }
+
+
+def test_planted_embeddings_give_the_hand_computed_metrics_on_both_pair_formats(
+    planted: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, prepared = planted
+    indexes, same = lfw_pair_indexes()
+    expected = expected_metrics(indexes, same)
+    # The hand count in the comment above, so that the brute force itself is checked once.
+    assert expected["auc"] == 0.84 and expected["best_accuracy"] == 0.85
+    cos44, cos45 = np.cos(np.deg2rad(44)), np.cos(np.deg2rad(45))
+    assert expected["best_threshold"] == round((cos44 + cos45) / 2, 6)
+
+    (tmp_path / "pairs.txt").write_text(lfw_pairs_text())
+    (tmp_path / "pairs.jsonl").write_text(pairs_jsonl(prepared, indexes, same))
+    for name, kind in (("pairs.txt", "lfw"), ("pairs.jsonl", "facepipe")):
+        metrics = evaluate.run(PARAMS, model, prepared, tmp_path / name.replace(".", "_"), pairs=tmp_path / name,
+                               progress=False)
+        assert metrics["pairs_format"] == kind
+        assert {key: metrics[key] for key in expected} == expected, name
+        roc = np.loadtxt(tmp_path / name.replace(".", "_") / "roc.csv", delimiter=",", skiprows=2, usecols=(0, 1))
+        assert np.trapezoid(roc[:, 1], roc[:, 0]) == pytest.approx(0.84, abs=1e-6)  # roc.csv is the same curve
+
+
+def test_one_mismatched_pair_changes_the_metrics_as_computed(planted: tuple[Path, Path], tmp_path: Path) -> None:
+    model, prepared = planted
+    indexes, same = lfw_pair_indexes()
+    (tmp_path / "pairs.jsonl").write_text(pairs_jsonl(prepared, indexes, same))
+    before = evaluate.run(PARAMS, model, prepared, tmp_path / "before", pairs=tmp_path / "pairs.jsonl", progress=False)
+    # The different pair 5 degrees apart (Ann_Lee 4, Di_Maria 1) now pairs Ann_Lee 4 with Bo_Yang 1: 50 degrees.
+    row = next(k for k, (a, b) in enumerate(indexes) if {a, b} == {3, 9})
+    indexes[row] = (3, 4)
+    (tmp_path / "pairs.jsonl").write_text(pairs_jsonl(prepared, indexes, same))
+    after = evaluate.run(PARAMS, model, prepared, tmp_path / "after", pairs=tmp_path / "pairs.jsonl", progress=False)
+    expected = expected_metrics(indexes, same)
+    assert {key: after[key] for key in expected} == expected
+    assert after["auc"] == 0.94 and before["auc"] == 0.84  # one different pair no longer outranks all same ones
+    assert after["best_accuracy"] != before["best_accuracy"] or after["best_threshold"] != before["best_threshold"]
 
 
 # --- errors -----------------------------------------------------------------------------------------
