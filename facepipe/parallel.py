@@ -23,6 +23,9 @@ class FutureLike(Protocol):
 # threshold switches off glibc's adaptive mmap threshold, so every large temporary (image pyramids,
 # network activations) becomes a fresh mmap and page-faults on each use: prepare chunks ran ~35 %
 # slower in workers than in-process (benchmarks/README.md). Workers keep glibc's defaults instead.
+# The dashboard shows a long prepare's progress per worker; loopback only, like every facepipe server.
+DASHBOARD_ADDRESS = "127.0.0.1:8787"
+
 WORKER_CONFIG = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
 
 
@@ -63,7 +66,8 @@ def ordered_results(submit: Callable[[T], FutureLike], items: Iterable[T], *, wi
 @contextmanager
 def dask_client(*, workers: int | None = None, scheduler_address: str | None = None) -> Iterator[Any]:
     """A ``distributed.Client``: on an existing cluster, or a ``LocalCluster`` of single-threaded processes
-    on loopback (no dashboard), shut down on exit."""
+    shut down on exit. Every server of the local cluster (scheduler, workers, and the Dask dashboard on
+    ``DASHBOARD_ADDRESS``, or a free port when that one is taken) listens on 127.0.0.1 only."""
     from distributed import Client, LocalCluster
 
     if scheduler_address:
@@ -83,10 +87,11 @@ def dask_client(*, workers: int | None = None, scheduler_address: str | None = N
             threads_per_worker=1,
             processes=True,
             host="127.0.0.1",
-            dashboard_address=None,
+            dashboard_address=DASHBOARD_ADDRESS,
             silence_logs=logging.ERROR,
         )
     client = Client(cluster)
+    log.info("Dask dashboard (this machine only): %s", client.dashboard_link)
     try:
         yield client
     finally:

@@ -15,7 +15,7 @@ import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import PrepareParams, load_section
 from facepipe.data.extract import Outcome, process_chunk, warm_up
 from facepipe.errors import FacepipeError
-from facepipe.parallel import default_workers, worker_config
+from facepipe.parallel import DASHBOARD_ADDRESS, default_workers, worker_config
 from facepipe.stages import prepare as prepare_stage
 from prefect import flow, task
 from prefect.artifacts import create_table_artifact
@@ -87,7 +87,7 @@ def run_prepare_flow(
                 "threads_per_worker": 1,
                 "processes": True,
                 "host": "127.0.0.1",
-                "dashboard_address": None,
+                "dashboard_address": DASHBOARD_ADDRESS,
             }
         )
     with worker_config():  # the task runner starts its cluster inside the flow
