@@ -2,6 +2,9 @@
 
 Both formats take ``input`` [batch, 3, S, S] float32 RGB in [-1, 1] (pixel / 127.5 - 1) and give
 ``embedding`` [batch, E] float32, not normalized; the batch axis is dynamic.
+
+A check compares the raw outputs and, more strictly, their L2-normalised rows: what a face matcher
+compares is the direction, and a raw tolerance alone says nothing when the outputs are small.
 """
 
 from __future__ import annotations
@@ -26,9 +29,14 @@ _TRACE_BATCH = 2  # the example batch; checks use another size, so a fixed batch
 
 @dataclass(frozen=True)
 class Check:
-    """How far an exported model's outputs are from PyTorch's on the same random batch."""
+    """How far an exported model's outputs are from PyTorch's on the same random batch.
+
+    ``max_abs_diff``: of the raw outputs; ``max_embedding_diff``: of their L2-normalised rows (each
+    element in [-1, 1], so an absolute tolerance means the same whatever the output scale).
+    """
 
     max_abs_diff: float
+    max_embedding_diff: float
     passed: bool
 
 
@@ -86,12 +94,21 @@ def run_torchscript(path: str | Path, batch: torch.Tensor) -> np.ndarray:
         return torch.jit.load(str(path), map_location="cpu")(batch).numpy()
 
 
+def unit_rows(embeddings: np.ndarray) -> np.ndarray:
+    """[B, E] -> [B, E] float64 rows scaled to unit L2 norm (an all-zero row stays zero)."""
+    rows = np.asarray(embeddings, dtype=np.float64)
+    return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
+
+
 def compare(exported: np.ndarray, reference: np.ndarray, *, atol: float, rtol: float) -> Check:
-    """Passes where every ``|exported - reference| <= atol + rtol * |reference|`` (and shapes match)."""
-    if exported.shape != reference.shape:
-        return Check(max_abs_diff=float("inf"), passed=False)
+    """Passes where shapes match, every ``|exported - reference| <= atol + rtol * |reference|``, and
+    the L2-normalised rows agree within ``atol`` element by element."""
+    if exported.shape != reference.shape or not np.all(np.isfinite(exported)):
+        return Check(max_abs_diff=float("inf"), max_embedding_diff=float("inf"), passed=False)
     diff = np.abs(exported.astype(np.float64) - reference)
-    return Check(max_abs_diff=float(diff.max()), passed=bool(np.all(diff <= atol + rtol * np.abs(reference))))
+    embedding_diff = np.abs(unit_rows(exported) - unit_rows(reference))
+    passed = bool(np.all(diff <= atol + rtol * np.abs(reference)) and np.all(embedding_diff <= atol))
+    return Check(max_abs_diff=float(diff.max()), max_embedding_diff=float(embedding_diff.max()), passed=passed)
 
 
 def export_and_check(

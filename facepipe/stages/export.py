@@ -6,8 +6,8 @@ Outputs::
     OUT/backbone.torchscript.pt   (format "torchscript")
     OUT/export.json               input/output contract, files, sha256 and the check of each file
 
-A file whose outputs differ from PyTorch's by more than the tolerance fails the stage, and then
-nothing is written.
+A file whose outputs, raw or as L2-normalised embeddings, differ from PyTorch's by more than the
+tolerance fails the stage, and then nothing is written.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from facepipe.config import ExportParams, load_section
 from facepipe.errors import FacepipeError
 from facepipe.exporting import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
-from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.model_dir import load_backbone
 from facepipe.io.shards import sha256_file
@@ -31,15 +31,23 @@ log = logging.getLogger("facepipe.export")
 
 REPORT_FILE = "export.json"
 
+#: An existing OUT is replaced only when it holds these files and nothing else.
+EXPORT_OUTPUT = OutputKind(
+    "export folder",
+    patterns=(*FILE_NAMES.values(), REPORT_FILE),
+    identify=json_key_file(REPORT_FILE, "model", "input", "output", "files"),
+)
+
 
 def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[str, Any]:
     """Export the backbone in ``model_dir`` into ``out``; returns the report (also ``export.json``)."""
+    check_output(out, kind=EXPORT_OUTPUT, sources={"model folder": model_dir})
     model, spec = load_backbone(model_dir, device="cpu")
     check_batch = random_batch(params.check_batch_size, spec.image_size, seed=params.seed)
     with torch.no_grad():
         reference = model(check_batch).numpy()
     files: dict[str, Any] = {}
-    with atomic_output_dir(out) as tmp:
+    with atomic_output_dir(out, kind=EXPORT_OUTPUT) as tmp:
         for fmt in dict.fromkeys(params.formats):
             path = tmp / FILE_NAMES[fmt]
             check = export_and_check(
@@ -53,16 +61,23 @@ def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[st
                 rtol=params.rtol,
                 opset=params.opset,
             )
-            log.info("export: %s max |diff| %.3g vs PyTorch", fmt, check.max_abs_diff)
+            log.info(
+                "export: %s max |diff| %.3g, of normalised embeddings %.3g vs PyTorch",
+                fmt,
+                check.max_abs_diff,
+                check.max_embedding_diff,
+            )
             if not check.passed:
                 raise FacepipeError(
-                    f"{fmt} export differs from PyTorch: max |diff| {check.max_abs_diff:.3g} exceeds "
-                    f"atol {params.atol} + rtol {params.rtol} * |output|"
+                    f"{fmt} export differs from PyTorch: max |diff| {check.max_abs_diff:.3g} "
+                    f"(of L2-normalised embeddings {check.max_embedding_diff:.3g}) exceeds "
+                    f"atol {params.atol} + rtol {params.rtol} * |output| (embeddings: atol)"
                 )
             files[fmt] = {
                 "file": path.name,
                 "sha256": sha256_file(path),
                 "max_abs_diff": float(f"{check.max_abs_diff:.3g}"),
+                "max_embedding_diff": float(f"{check.max_embedding_diff:.3g}"),
                 **({"opset": params.opset} if fmt == "onnx" else {"method": "trace"}),
             }
         report = {
