@@ -30,7 +30,7 @@ from facepipe.config import load_section
 from facepipe.errors import FacepipeError
 from facepipe.heads import create_head
 from facepipe.io.model_dir import load_backbone, read_model_spec
-from facepipe.stages.train import run
+from facepipe.stages.train import build_model, run
 from facepipe.training.checkpoint import (
     atomic_save,
     capture_rng_state,
@@ -153,6 +153,28 @@ def test_fp16_is_refused_on_cpu_and_bf16_trains():
     trainer.train_step([(torch.randn(4, 3, 4, 4), torch.tensor([0, 1, 2, 3]))])
     assert math.isfinite(trainer.collect_stats()["loss"])
     assert not torch.equal(before, model.backbone.fc.weight)
+
+
+@pytest.mark.parametrize(("amp", "dtype"), [("bf16", torch.bfloat16), ("off", torch.float32)])
+def test_train_amp_param_sets_autocast_in_the_forward(shard_set, tmp_path, amp, dtype):
+    """Through params.yaml and the train stage's own model build: every convolution of the backbone's
+    trunk runs in bf16 under `amp: bf16` (CPU autocast), in float32 under `amp: off`; the embedding
+    layers run in float32 either way (MobileFaceNet keeps them there on purpose)."""
+    (tmp_path / "params.yaml").write_text(f"train:\n  amp: {amp}\n")  # bare `off`, as users write it
+    params = tiny_params(amp=load_section(tmp_path / "params.yaml", "train").amp)
+    seen: dict[str, set[torch.dtype]] = {"conv": set(), "embedding": set()}
+
+    def hooked_model(*args, **kwargs) -> FaceModel:
+        model = build_model(*args, **kwargs)
+        for module in model.backbone.layers.modules():
+            if isinstance(module, torch.nn.Conv2d):
+                module.register_forward_hook(lambda _m, _i, out: seen["conv"].add(out.dtype))
+        model.backbone.register_forward_hook(lambda _m, _i, out: seen["embedding"].add(out.dtype))
+        return model
+
+    report = run(params, shard_set, tmp_path / "out", max_steps=1, model_factory=hooked_model)
+    assert report.steps == 1 and math.isfinite(report.loss)
+    assert seen == {"conv": {dtype}, "embedding": {torch.float32}}
 
 
 # -- checkpoint files ---------------------------------------------------------------------------------
