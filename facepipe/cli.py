@@ -39,7 +39,10 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def add_params_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--params", default="params.yaml", metavar="FILE", help="params file; reads only this stage's section"
+        "--params",
+        default=None,
+        metavar="FILE",
+        help="params file; reads only this stage's section (default: params.yaml, all defaults if absent)",
     )
 
 

@@ -254,11 +254,20 @@ def parse_section(model: type[S], section: str, raw: Any) -> S:
         raise ParamsError(_describe(error, section)) from None
 
 
-def read_params_file(path: str | Path) -> dict[str, Any]:
-    """The whole params file as a mapping; a missing file reads as empty (all defaults)."""
+#: The params file a command reads when none is named; the only one that may be absent (all defaults).
+DEFAULT_PARAMS = "params.yaml"
+
+
+def read_params_file(path: str | Path | None, *, missing_ok: bool = False) -> dict[str, Any]:
+    """The whole params file as a mapping. ``None``: ``params.yaml`` here, read as empty (all
+    defaults) when absent; a file named explicitly must exist unless ``missing_ok``."""
+    if path is None:
+        path, missing_ok = DEFAULT_PARAMS, True
     path = Path(path)
     if not path.exists():
-        return {}
+        if missing_ok:
+            return {}
+        raise ParamsError(f"params file not found: {path}")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
@@ -270,11 +279,13 @@ def read_params_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_section(path: str | Path, section: str, model: type[S] | None = None) -> S:
-    """Read and validate only ``section`` of the params file at ``path``."""
+def load_section(
+    path: str | Path | None, section: str, model: type[S] | None = None, *, missing_ok: bool = False
+) -> S:
+    """Read and validate only ``section`` of the params file at ``path`` (see :func:`read_params_file`)."""
     model = model or SECTIONS[section]  # type: ignore[assignment]
-    data = read_params_file(path)
+    data = read_params_file(path, missing_ok=missing_ok)
     try:
         return parse_section(model, section, data.get(section))
     except ParamsError as error:
-        raise ParamsError(f"{path}: {error}") from None
+        raise ParamsError(f"{path or DEFAULT_PARAMS}: {error}") from None

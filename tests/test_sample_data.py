@@ -217,7 +217,8 @@ def test_cli_bad_input_is_one_line_exit_2(
     elif setup == "full":
         out.mkdir()
         (out / "something").write_text("")
-    code = main(["sample-data", str(out), "--params", str(tmp_path / "missing.yaml"), *extra])
+    (tmp_path / "empty.yaml").write_text("")
+    code = main(["sample-data", str(out), "--params", str(tmp_path / "empty.yaml"), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("facepipe sample-data: error:") and message in err[0]

@@ -1,24 +1,143 @@
-"""Stage outputs that appear all at once: write into a temporary sibling, rename into place at the end.
+"""Stage outputs that appear all at once, and never at the expense of what facepipe did not write.
 
-A crashed or killed run leaves only a hidden ``.OUT.partial-PID`` folder (removed by the next run once
-its process is gone), never an ``OUT`` that looks complete. An older ``OUT`` is replaced only after
-the new one is finished.
+A stage writes into a temporary sibling ``.OUT.partial-PID`` and renames it into place at the end, so a
+crashed or killed run never leaves an ``OUT`` that looks complete. Before that it checks:
+
+- ``OUT`` and each input are apart (neither lies inside the other, symlinks followed), so replacing
+  ``OUT`` can never remove an input;
+- an existing ``OUT`` is empty or positively an output of the same kind (:class:`OutputKind`: every
+  file in it is one that kind writes, and its key file says so); anything else is refused.
+
+Replacing renames the old ``OUT`` to ``.OUT.old-PID``, the new folder to ``OUT``, then deletes the old one.
+A run killed between those renames leaves ``OUT`` missing and the old set aside: the next run of any
+stage writing ``OUT`` puts it back (and removes leftovers of runs whose process is gone). Single files
+(checkpoints, weights) are written to ``.NAME.tmp-PID`` and renamed; :func:`remove_stale_temporaries`
+removes those a killed run left.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Iterator
+import stat
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import IO, Any
 
 from facepipe.errors import FacepipeError
 
 log = logging.getLogger("facepipe.io")
 
 PARTIAL = ".partial-"
+OLD = ".old-"
+TMP = ".tmp-"
+_STALE_TMP = re.compile(r"^\..+\.tmp-(\d+)$")
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What one kind of facepipe output folder holds, so that an existing one is positively recognised.
+
+    ``patterns``: ``fnmatch`` patterns of the relative POSIX paths of every file it may hold
+    (folders are implied). ``identify``: given a folder whose files all match, True when its key
+    file says it is this kind (e.g. a manifest's format); None when the file names alone say so.
+    """
+
+    name: str
+    patterns: tuple[str, ...]
+    identify: Callable[[Path], bool] | None = None
+
+    def foreign(self, folder: Path) -> str | None:
+        """Why ``folder`` is not an output of this kind (None: it is one, or empty)."""
+        for rel, plain in _files(folder):
+            if not plain:
+                return f"it holds {rel}, which is not a plain file or folder"
+            if not any(fnmatchcase(rel, pattern) for pattern in self.patterns):
+                return f"it holds {rel}, which a facepipe {self.name} does not"
+        if any(folder.iterdir()) and self.identify is not None and not self.identify(folder):
+            return f"its files are not those of a facepipe {self.name}"
+        return None
+
+
+def _files(folder: Path) -> Iterator[tuple[str, bool]]:
+    """(relative POSIX path, is a plain file) of every file under ``folder``; a symlink, socket or
+    device is not plain (facepipe writes none, so a folder holding one is never its output)."""
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False, onerror=_raise):
+        here = Path(dirpath)
+        for name in [*dirnames, *filenames]:
+            mode = os.lstat(here / name).st_mode
+            if not stat.S_ISDIR(mode):
+                yield (here / name).relative_to(folder).as_posix(), stat.S_ISREG(mode)
+
+
+def _raise(error: OSError) -> None:
+    raise FacepipeError(f"cannot read {error.filename}: {error.strerror}")
+
+
+def json_key_file(name: str, *keys: str, **values: Any) -> Callable[[Path], bool]:
+    """An ``identify`` predicate: ``name`` is a JSON object holding ``keys`` and the given ``values``."""
+
+    def identify(folder: Path) -> bool:
+        try:
+            data = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            return False
+        return (
+            isinstance(data, dict)
+            and all(key in data for key in keys)
+            and all(data.get(key) == value for key, value in values.items())
+        )
+
+    return identify
+
+
+def check_apart(out: str | Path, sources: Mapping[str, str | Path]) -> None:
+    """Refuse an output that is, holds or lies inside one of ``sources`` ({what: path}); links followed."""
+    out_path = Path(out)
+    target = out_path.resolve()
+    for what, source in sources.items():
+        resolved = Path(source).resolve()
+        if resolved.is_relative_to(target):
+            raise FacepipeError(f"the {what} {source} lies inside the output {out_path}; writing it would remove it")
+        if target.is_relative_to(resolved):
+            raise FacepipeError(f"the output {out_path} lies inside the {what} {source}")
+
+
+def check_replaceable(out: str | Path, kind: OutputKind | None) -> None:
+    """Refuse an existing ``out`` unless it is an empty folder or positively a ``kind`` output.
+
+    ``kind`` None: only an absent or empty folder may be written.
+    """
+    out = Path(out)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise FacepipeError(f"output exists and is not a folder: {out}")
+    if not out.exists():
+        return
+    try:
+        empty = not any(out.iterdir())
+    except OSError as error:
+        raise FacepipeError(f"cannot read the output folder {out}: {error.strerror}") from None
+    if empty:
+        return
+    why = "it is not empty" if kind is None else kind.foreign(out)
+    if why is not None:
+        raise FacepipeError(f"refusing to replace {out}: {why}")
+
+
+def check_output(out: str | Path, *, kind: OutputKind | None, sources: Mapping[str, str | Path] | None = None) -> None:
+    """Everything a stage checks of its output before it starts work; raises FacepipeError.
+
+    Also recovers an output left aside by a run killed while publishing it (see the module doc).
+    """
+    check_apart(out, sources or {})
+    recover_interrupted(Path(out), kind)
+    check_replaceable(out, kind)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -31,36 +150,70 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _dead_leftovers(out: Path, marker: str) -> list[Path]:
+    """Siblings ``.OUT<marker>PID`` whose process is gone (the ones of live runs are theirs)."""
+    found = []
+    for path in sorted(out.parent.glob(f".{out.name}{marker}*")):
+        pid = path.name[len(out.name) + 1 + len(marker) :]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            found.append(path)
+    return found
+
+
 def remove_stale_partials(out: Path) -> None:
     """Delete temporary siblings of ``out`` left by killed runs (their process is gone)."""
-    for partial in out.parent.glob(f".{out.name}{PARTIAL}*"):
-        pid = partial.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            log.info("removing %s left by an interrupted run", partial)
-            shutil.rmtree(partial, ignore_errors=True)
+    for partial in _dead_leftovers(out, PARTIAL):
+        log.info("removing %s left by an interrupted run", partial)
+        shutil.rmtree(partial, ignore_errors=True)
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Move the finished folder ``tmp`` to ``out``, replacing an older ``out`` only now."""
+def recover_interrupted(out: Path, kind: OutputKind | None) -> None:
+    """Undo a publish killed between its renames: restore ``.OUT.old-PID`` when ``out`` is missing,
+    else delete it (a later publish finished) if it is positively ours."""
+    for old in _dead_leftovers(out, OLD):
+        if not out.exists():
+            log.warning("restoring %s from %s (a run was killed while replacing it)", out, old.name)
+            old.rename(out)
+        elif not any(old.iterdir()) or (kind is not None and kind.foreign(old) is None):
+            log.info("removing %s left by an interrupted run", old)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            log.warning("leaving %s: not recognisably a facepipe %s", old, kind.name if kind else "output")
+
+
+def _between_renames() -> None:
+    """Fault-injection point of :func:`publish` (tests replace it to kill the run right here)."""
+
+
+def publish(tmp: Path, out: Path, *, kind: OutputKind | None = None) -> None:
+    """Move the finished folder ``tmp`` to ``out``, replacing an older ``out`` (checked again) only now."""
     old = None
     if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        check_replaceable(out, kind)
+        old = out.parent / f".{out.name}{OLD}{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
         out.rename(old)
-    tmp.rename(out)
+    try:
+        _between_renames()
+        tmp.rename(out)
+    except BaseException:
+        if old is not None and not out.exists():
+            old.rename(out)
+        raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
 @contextmanager
-def atomic_output_dir(out: str | Path) -> Iterator[Path]:
+def atomic_output_dir(out: str | Path, *, kind: OutputKind | None = None) -> Iterator[Path]:
     """Yield an empty temporary folder; on success it becomes ``out``, on any exception it is removed.
 
-    Raises FacepipeError when ``out`` exists as a file or its parent cannot be written.
+    An existing ``out`` is replaced only when it is empty or positively a ``kind`` output (``kind``
+    None: only when empty). Raises FacepipeError when ``out`` may not be replaced or its parent
+    cannot be written.
     """
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FacepipeError(f"output exists and is not a folder: {out}")
+    check_output(out, kind=kind)
     tmp = out.parent / f".{out.name}{PARTIAL}{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -71,7 +224,44 @@ def atomic_output_dir(out: str | Path) -> Iterator[Path]:
         raise FacepipeError(f"cannot write the output next to {out}: {error.strerror}") from None
     try:
         yield tmp
-        publish(tmp, out)
+        publish(tmp, out, kind=kind)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def temporary_name(path: Path) -> Path:
+    """``.NAME.tmp-PID`` beside ``path``: where :func:`atomic_write` writes before renaming."""
+    return path.with_name(f".{path.name}{TMP}{os.getpid()}")
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
+    """``write(handle)`` into a temporary sibling, fsync, then ``os.replace`` onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_name(path)
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def remove_stale_temporaries(directory: str | Path) -> list[Path]:
+    """Delete ``.NAME.tmp-PID`` files in ``directory`` whose process is gone; returns them."""
+    directory = Path(directory)
+    removed = []
+    if not directory.is_dir():
+        return removed
+    for path in sorted(directory.iterdir()):
+        match = _STALE_TMP.match(path.name)
+        if match and path.is_file() and not path.is_symlink() and not _pid_alive(int(match.group(1))):
+            log.info("removing %s left by an interrupted run", path)
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -3,7 +3,13 @@
 ::
 
     MODEL/backbone.pt   the backbone's state_dict only (tensors; read with weights_only=True)
-    MODEL/model.json    how to rebuild it: {"backbone", "embedding_size", "image_size"}
+    MODEL/model.json    how to rebuild it: {"backbone", "embedding_size", "image_size"}, and the
+                        sha256 of backbone.pt ("weights_sha256"), checked whenever it is loaded
+    MODEL/checkpoints/  MODEL/metrics.json  MODEL/plots/metrics/   written while training
+
+``model.json`` is written last, after ``backbone.pt`` is in place (each by a temporary file and a
+rename), and removed first when a run starts that will replace them: weights and spec never come
+from two runs, and a folder without ``model.json`` is not (yet) a model.
 
 The backbone takes [B, 3, image_size, image_size] float RGB in [-1, 1] (pixel / 127.5 - 1) and
 returns [B, embedding_size] embeddings.
@@ -18,11 +24,40 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from facepipe.errors import FacepipeError
+from facepipe.io.atomic import OutputKind, atomic_write, json_key_file
 from facepipe.io.manifest import dumps
+from facepipe.io.shards import sha256_file
 from facepipe.models import Backbone, create_backbone
 
 WEIGHTS_FILE = "backbone.pt"
 SPEC_FILE = "model.json"
+CHECKPOINT_DIR = "checkpoints"
+_WEIGHTS_HASH = "weights_sha256"
+
+
+def _is_model_folder(folder: Path) -> bool:
+    # metrics.json alone is too common a name to say "ours"; with it alone, ask for dvclive's shape
+    if {p.name for p in folder.iterdir()} != {"metrics.json"}:
+        return True
+    return json_key_file("metrics.json", "step")(folder)
+
+
+#: What ``train`` writes: an existing OUT holding anything else is not replaced or written into.
+MODEL_FOLDER = OutputKind(
+    "model folder",
+    patterns=(
+        WEIGHTS_FILE,
+        SPEC_FILE,
+        f".{WEIGHTS_FILE}.tmp-*",
+        f".{SPEC_FILE}.tmp-*",
+        "metrics.json",
+        "plots/metrics/*.tsv",
+        f"{CHECKPOINT_DIR}/step-*.pt",
+        f"{CHECKPOINT_DIR}/step-*.pt.corrupt",
+        f"{CHECKPOINT_DIR}/.step-*.pt.tmp-*",
+    ),
+    identify=_is_model_folder,
+)
 
 
 class ModelSpec(BaseModel):
@@ -35,12 +70,19 @@ class ModelSpec(BaseModel):
     image_size: int = Field(ge=16)
 
 
-def write_model_spec(model_dir: str | Path, spec: ModelSpec) -> None:
-    (Path(model_dir) / SPEC_FILE).write_text(dumps(spec.model_dump()))
+def write_model_spec(model_dir: str | Path, spec: ModelSpec, *, weights_sha256: str | None = None) -> None:
+    """Write ``model.json`` atomically (``weights_sha256``: of ``backbone.pt``, checked on load)."""
+    content = spec.model_dump() | ({_WEIGHTS_HASH: weights_sha256} if weights_sha256 else {})
+    atomic_write(Path(model_dir) / SPEC_FILE, lambda handle: handle.write(dumps(content).encode()))
 
 
 def read_model_spec(model_dir: str | Path) -> ModelSpec:
     """Read and validate ``model.json``; every problem is a one-line FacepipeError."""
+    return _read_model_json(model_dir)[0]
+
+
+def _read_model_json(model_dir: str | Path) -> tuple[ModelSpec, str | None]:
+    """(spec, sha256 of backbone.pt or None when model.json predates it)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FacepipeError(f"model folder not found: {model_dir}")
@@ -48,7 +90,9 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
     if not path.is_file():
         raise FacepipeError(f"not a model folder (no {SPEC_FILE}; the train stage writes it): {model_dir}")
     try:
-        return ModelSpec.model_validate(json.loads(path.read_text()))
+        content = json.loads(path.read_text())
+        weights_sha256 = content.pop(_WEIGHTS_HASH, None) if isinstance(content, dict) else None
+        return ModelSpec.model_validate(content), weights_sha256
     except (OSError, ValueError) as error:
         if isinstance(error, ValidationError):
             first = error.errors()[0]
@@ -58,20 +102,29 @@ def read_model_spec(model_dir: str | Path) -> ModelSpec:
 
 
 def save_model_dir(model_dir: str | Path, model: torch.nn.Module, spec: ModelSpec) -> None:
-    """Write ``backbone.pt`` (state_dict of ``model``) and ``model.json`` into ``model_dir``."""
+    """Write ``backbone.pt`` (state_dict of ``model``), then ``model.json`` with its sha256, each atomically."""
     model_dir = Path(model_dir)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), model_dir / WEIGHTS_FILE)
-    write_model_spec(model_dir, spec)
+    weights = atomic_write(model_dir / WEIGHTS_FILE, lambda handle: torch.save(model.state_dict(), handle))
+    write_model_spec(model_dir, spec, weights_sha256=sha256_file(weights))
+
+
+def remove_model_files(model_dir: str | Path) -> None:
+    """Remove ``model.json`` (first: it marks a model) and ``backbone.pt`` of an earlier run."""
+    for name in (SPEC_FILE, WEIGHTS_FILE):
+        path = Path(model_dir) / name
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
 
 
 def load_backbone(model_dir: str | Path, *, device: torch.device | str = "cpu") -> tuple[Backbone, ModelSpec]:
     """Rebuild the backbone described by ``model.json`` with the weights of ``backbone.pt``, in eval mode."""
     model_dir = Path(model_dir)
-    spec = read_model_spec(model_dir)
+    spec, weights_sha256 = _read_model_json(model_dir)
     weights = model_dir / WEIGHTS_FILE
     if not weights.is_file():
         raise FacepipeError(f"model folder has no {WEIGHTS_FILE}: {model_dir}")
+    if weights_sha256 is not None and sha256_file(weights) != weights_sha256:
+        raise FacepipeError(f"{weights}: sha256 differs from the one in {SPEC_FILE} (corrupt, or from another run)")
     try:
         model = create_backbone(
             spec.backbone, embedding_size=spec.embedding_size, image_size=spec.image_size, weights=weights

@@ -29,7 +29,7 @@ from facepipe.errors import FacepipeError
 from facepipe.evaluation.embed import embed_images
 from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
 from facepipe.evaluation.verification import VerificationResult, cosine_scores, thin_roc, verification_metrics
-from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.model_dir import load_backbone
 from facepipe.io.shards import ShardSet
@@ -38,6 +38,10 @@ log = logging.getLogger("facepipe.evaluate")
 
 METRICS_FILE = "metrics.json"
 ROC_FILE = "roc.csv"
+#: An existing OUT is replaced only when it holds these files and nothing else.
+EVALUATE_OUTPUT = OutputKind(
+    "evaluation folder", patterns=(METRICS_FILE, ROC_FILE), identify=json_key_file(METRICS_FILE, "accuracy_mean")
+)
 _SHOWN = 3  # example images named in an error
 
 
@@ -168,6 +172,8 @@ def run(
     ``pairs`` overrides ``params.pairs``.
     """
     pairs_path = Path(pairs if pairs is not None else params.pairs)
+    sources = {"model folder": model_dir, "shard set": prepared, "pairs file": pairs_path}
+    check_output(out, kind=EVALUATE_OUTPUT, sources=sources)
     device = resolve_device(params.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FacepipeError("evaluate.device is 'cuda' but no CUDA device is available")
@@ -206,7 +212,7 @@ def run(
         flip=params.flip,
         pairs_format=kind,
     )
-    with atomic_output_dir(out) as tmp:
+    with atomic_output_dir(out, kind=EVALUATE_OUTPUT) as tmp:
         (tmp / METRICS_FILE).write_text(dumps(metrics))
         (tmp / ROC_FILE).write_text(roc_csv(result))
     for note in metrics["notes"]:

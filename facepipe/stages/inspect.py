@@ -12,6 +12,7 @@ from PIL import Image
 
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
+from facepipe.io.atomic import OutputKind, check_output
 from facepipe.io.records import RecordError, decode_image
 from facepipe.io.shards import sha256_file
 
@@ -114,6 +115,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.dump is not None:
         if args.limit is not None and args.limit < 0:
             raise FacepipeError("--limit must be >= 0")
+        # writes into DIR: only a folder of earlier dumps (PNG files only), never one holding the set
+        check_output(args.dump, kind=OutputKind("face dump", ("*.png",)), sources={"shard set": args.root})
         count = dump_faces(args.root, args.dump, limit=args.limit)
         print(f"wrote {count} faces under {args.dump}")
         return 0

@@ -22,10 +22,10 @@ from facepipe.config import PrepareParams, load_section
 from facepipe.data.extract import Outcome, process_chunk, warm_up
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
-from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import build_manifest, dumps, reject_line, write_metadata
 from facepipe.io.records import encode_record
-from facepipe.io.shards import ShardWriter
+from facepipe.io.shards import SET_FORMAT, ShardWriter
 from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
 from facepipe.progress import Progress
 
@@ -33,18 +33,20 @@ log = logging.getLogger("facepipe.prepare")
 
 Submit = Callable[[list[str]], FutureLike]
 
+#: An existing OUT is replaced only when it is a shard set (manifest format) holding nothing else.
+SHARD_SET = OutputKind(
+    "shard set",
+    patterns=("manifest.json", "labels.json", "rejects.jsonl", "report.json", "shards/shard-*.lmdb"),
+    identify=json_key_file("manifest.json", "version", format=SET_FORMAT),
+)
+
 
 def check_paths(raw: str | Path, out: str | Path) -> None:
     """Cheap checks of RAW and OUT, before any scan, cluster or server starts. Raises FacepipeError."""
     raw, out = Path(raw), Path(out)
     if not raw.is_dir():
         raise FacepipeError(f"raw folder not found: {raw}")
-    if out.exists() and not out.is_dir():
-        raise FacepipeError(f"output exists and is not a folder: {out}")
-    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
-        raise FacepipeError(f"output folder exists, is not empty and is not a shard set; refusing to replace it: {out}")
-    if out.resolve().is_relative_to(raw.resolve()):
-        raise FacepipeError(f"output {out} lies inside the raw folder {raw}")
+    check_output(out, kind=SHARD_SET, sources={"raw folder": raw})
 
 
 def check_inputs(raw: Path, out: Path) -> list[ScanItem]:
@@ -166,7 +168,7 @@ def run(
     paths = [item.path for item in items]
     chunks = [paths[i : i + params.chunk_size] for i in range(0, len(paths), params.chunk_size)]
     log.info("prepare: %d files in %d chunks from %s", len(paths), len(chunks), raw)
-    with atomic_output_dir(out) as tmp:
+    with atomic_output_dir(out, kind=SHARD_SET) as tmp:
         builder = SetBuilder(tmp, params)
         try:
             startup_started = time.perf_counter()

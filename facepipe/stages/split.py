@@ -23,7 +23,7 @@ import numpy as np
 from facepipe.config import SplitParams, load_section
 from facepipe.errors import FacepipeError
 from facepipe.evaluation.pairs import Pair, choose_holdout, format_pairs_jsonl, sample_pairs
-from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.shards import ShardSet
 
@@ -34,9 +34,17 @@ VAL_FILE = "val_identities.json"
 PAIRS_FILE = "pairs.jsonl"
 SUMMARY_FILE = "split.json"
 
+#: An existing OUT is replaced only when it holds these files and nothing else.
+SPLIT_OUTPUT = OutputKind(
+    "split",
+    patterns=(TRAIN_FILE, VAL_FILE, PAIRS_FILE, SUMMARY_FILE),
+    identify=json_key_file(SUMMARY_FILE, "params", "train", "val", "pairs"),
+)
+
 
 def run(params: SplitParams, prepared: str | Path, out: str | Path) -> dict[str, Any]:
     """Split the shard set ``prepared`` into ``out``; returns the summary (also ``split.json``)."""
+    check_output(out, kind=SPLIT_OUTPUT, sources={"shard set": prepared})
     shard_set = ShardSet(prepared)
     labels = shard_set.labels()
     names = shard_set.identities
@@ -71,7 +79,7 @@ def run(params: SplitParams, prepared: str | Path, out: str | Path) -> dict[str,
         },
         "notes": sampled.notes,
     }
-    with atomic_output_dir(out) as tmp:
+    with atomic_output_dir(out, kind=SPLIT_OUTPUT) as tmp:
         (tmp / TRAIN_FILE).write_text(dumps([name for name, val in zip(names, is_val) if not val]))
         (tmp / VAL_FILE).write_text(dumps([name for name, val in zip(names, is_val) if val]))
         (tmp / PAIRS_FILE).write_text(format_pairs_jsonl(pairs))

@@ -7,6 +7,9 @@ PREPARED OUT`` runs the same code as N DDP processes (NCCL on CUDA, gloo on CPU)
     OUT/checkpoints/     step-NNNNNNNN.pt (resume)      OUT/metrics.json, OUT/plots/metrics/  (dvclive)
 
 A run resumes from the newest checkpoint in OUT/checkpoints when its parameters and data match.
+OUT must be absent, empty or a model folder (only files train writes); ``--fresh`` removes only
+checkpoints. backbone.pt and model.json of an earlier run are removed before training starts and
+written again, atomically and model.json last, when it ends: never mixed between runs.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +35,18 @@ from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import create_head
-from facepipe.io.model_dir import SPEC_FILE, WEIGHTS_FILE, ModelSpec, write_model_spec
+from facepipe.io.atomic import check_output, remove_stale_temporaries
+from facepipe.io.model_dir import (
+    CHECKPOINT_DIR,
+    MODEL_FOLDER,
+    SPEC_FILE,
+    WEIGHTS_FILE,
+    ModelSpec,
+    remove_model_files,
+    save_model_dir,
+)
 from facepipe.models import create_backbone
-from facepipe.training.checkpoint import atomic_save, latest_checkpoint, load_checkpoint
+from facepipe.training.checkpoint import latest_good_checkpoint, load_checkpoint, remove_checkpoints
 from facepipe.training.distributed import (
     Distributed,
     broadcast_object,
@@ -48,8 +59,6 @@ from facepipe.training.schedule import Plan, build_scheduler, make_plan
 from facepipe.training.trainer import FaceModel, LoopOptions, Trainer
 
 log = logging.getLogger("facepipe.train")
-
-CHECKPOINT_DIR = "checkpoints"
 
 #: Parameters that change how a run reports or is laid out, never what it computes: a resumed run
 #: may change them.
@@ -148,6 +157,7 @@ def run(
     changing the schedule, which stays that of the full run; ``fresh`` deletes old checkpoints
     instead of resuming from them. Call it once per process; under torchrun every rank calls it.
     """
+    check_output(out, kind=MODEL_FOLDER, sources={"shard set": prepared})
     context = init_distributed(params.device)
     if not context.is_main:
         logging.getLogger("facepipe").setLevel(logging.WARNING)
@@ -184,6 +194,8 @@ def _train(
     trainer = _make_trainer(model, params, plan, context)
     fingerprint = data_fingerprint(dataset)
     resumed_from = _resume(trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, fresh=fresh)
+    if context.is_main:
+        remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
 
     spec = ModelSpec(backbone=params.backbone, embedding_size=params.embedding_size, image_size=dataset.image_size)
     options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
@@ -205,8 +217,7 @@ def _train(
         metrics.close()
     samples_per_s = (state.step - start_step) * plan.effective_batch / max(time.perf_counter() - fit_started, 1e-9)
     if context.is_main:
-        atomic_save(model.backbone.state_dict(), out / WEIGHTS_FILE)
-        write_model_spec(out, spec)
+        save_model_dir(out, model.backbone, spec)
         log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
     return TrainReport(
         out=str(out),
@@ -305,13 +316,18 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
 def _resume(trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerprint: str, fresh: bool) -> int | None:
     """Load the newest checkpoint (rank 0 picks it for all); returns its step, or None for a new run."""
     context = trainer.context
-    if fresh and context.is_main and checkpoints.exists():
-        log.info("--fresh: removing %s", checkpoints)
-        shutil.rmtree(checkpoints)
-    latest = broadcast_object(None if fresh else latest_checkpoint(checkpoints), context)
+    found = None
+    if context.is_main:
+        for folder in (checkpoints.parent, checkpoints):
+            remove_stale_temporaries(folder)  # left by a killed run
+        if fresh and checkpoints.exists():
+            log.info("--fresh: removing the checkpoints in %s", checkpoints)
+            remove_checkpoints(checkpoints)
+        found = None if fresh else latest_good_checkpoint(checkpoints)
+    latest = broadcast_object(None if found is None else found[0], context)
     if latest is None:
         return None
-    state = load_checkpoint(latest)
+    state = found[1] if found is not None else load_checkpoint(latest)
     check_resumable(state, params=params, fingerprint=fingerprint, source=Path(latest))
     trainer.load_checkpoint_state(state, source=str(latest))
     log.info("resuming from %s (step %d, epoch %d)", latest, trainer.state.step, trainer.state.epoch)

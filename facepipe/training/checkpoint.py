@@ -3,10 +3,17 @@
 ``OUT/checkpoints/step-NNNNNNNN.pt`` holds one flat dict (see ``Trainer.checkpoint_state``). A file is
 written to a hidden temporary name, synced and renamed into place, so a killed run never leaves a
 partial checkpoint under a real name; the newest complete one is the resume point.
+
+Each checkpoint carries ``checksum``: a sha256 over every value in it (tensor bytes, dtypes, shapes,
+plain values), verified when it is loaded, so a flipped byte is never trained on. When the newest
+checkpoint is corrupt, :func:`latest_good_checkpoint` renames it ``step-N.pt.corrupt`` (kept for a
+look, out of the resume order) with a warning and falls back to the previous one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import random
 import re
@@ -17,10 +24,16 @@ import numpy as np
 import torch
 
 from facepipe.errors import FacepipeError
+from facepipe.io.atomic import atomic_write
+
+log = logging.getLogger("facepipe.training")
 
 CHECKPOINT_FORMAT = "facepipe-train-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: with "checksum"; version 1 files still load, unverified, with a warning
+_READS = (1, CHECKPOINT_VERSION)
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+#: Everything a run writes in its checkpoint folder: all that ``--fresh`` may remove.
+_OURS = re.compile(r"^(step-\d{8,}\.pt(\.corrupt)?|\.step-\d{8,}\.pt\.tmp-\d+)$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -29,19 +42,33 @@ def checkpoint_name(step: int) -> str:
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to a temporary sibling, fsync, then ``os.replace`` onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda handle: torch.save(obj, handle))
+
+
+def state_checksum(state: dict[str, Any]) -> str:
+    """sha256 over every value of ``state`` except ``checksum`` (keys in sorted order; tensors by
+    dtype, shape and bytes; plain values by type and repr), as torch.load gives them back."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != "checksum"})
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    elif isinstance(value, dict):
+        digest.update(f"D{len(value)}".encode())
+        for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
+            digest.update(f"K{type(key).__name__}:{key!r}".encode())
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"L{len(value)}".encode())  # torch.load may give a list back as a tuple
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(f"V{type(value).__name__}:{value!r}".encode())
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -59,8 +86,8 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any], *, step: int, keep: int) -> Path:
-    """Write ``state`` as the checkpoint of ``step`` and delete all but the newest ``keep``."""
-    path = atomic_save(state, Path(directory) / checkpoint_name(step))
+    """Write ``state`` (with its checksum) as the checkpoint of ``step``; delete all but the newest ``keep``."""
+    path = atomic_save({**state, "checksum": state_checksum(state)}, Path(directory) / checkpoint_name(step))
     for _, old in list_checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path
@@ -77,11 +104,43 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise FacepipeError(f"not a facepipe training checkpoint: {path}")
-    if state.get("version") != CHECKPOINT_VERSION:
+    if state.get("version") not in _READS:
         raise FacepipeError(
-            f"checkpoint version {state.get('version')} is not supported (reads {CHECKPOINT_VERSION}): {path}"
+            f"checkpoint version {state.get('version')} is not supported (reads {', '.join(map(str, _READS))}): {path}"
         )
+    if state["version"] == 1:
+        log.warning("%s predates checkpoint checksums: loading it unverified", path)
+    elif state.get("checksum") != state_checksum(state):
+        raise FacepipeError(f"checkpoint corrupt: {path} (its content does not match its checksum)")
     return state
+
+
+def latest_good_checkpoint(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads and verifies, and its state; None when there is none.
+
+    A newer one that fails is renamed ``*.corrupt`` with a warning naming it. Raises FacepipeError
+    when checkpoints exist but none is usable.
+    """
+    found = list_checkpoints(directory)
+    for _, path in reversed(found):
+        try:
+            return path, load_checkpoint(path)
+        except FacepipeError as error:
+            aside = path.with_name(path.name + ".corrupt")
+            log.warning("%s; set aside as %s, trying the previous checkpoint", error, aside.name)
+            os.replace(path, aside)
+    if found:
+        raise FacepipeError(f"no usable checkpoint in {directory} (all corrupt); run with --fresh")
+    return None
+
+
+def remove_checkpoints(directory: str | os.PathLike[str]) -> None:
+    """Delete the checkpoints (and temporaries) a run wrote in ``directory``; nothing else."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for path in directory.iterdir():
+            if _OURS.match(path.name) and path.is_file() and not path.is_symlink():
+                path.unlink()
 
 
 def capture_rng_state(device: torch.device) -> dict[str, Any]:
