@@ -1,25 +1,31 @@
 """A torch ``Dataset`` over a prepared shard set: read -> decode -> augment -> [-1, 1] tensor.
 
 Reading is ``facepipe.io``'s job (LMDB environments open lazily, once per process, read-only and
-without a lock, so every DataLoader worker has its own); this module decides *which* samples form the
-dataset and what each one becomes.
+without a lock, so every DataLoader worker has its own; every record's CRC-32 is checked as it is
+read); this module decides *which* samples form the dataset and what each one becomes.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from facepipe.data.augment import Augmenter, to_tensor, to_uint8_tensor
 from facepipe.errors import FacepipeError
-from facepipe.io import ShardSet, ShardSetError
+from facepipe.io import ShardReader, ShardSet, ShardSetError
 from facepipe.io.records import RecordError, decode_image, payload_offset
+from facepipe.io.shards import CorruptRecordError
+
+log = logging.getLogger("facepipe.data")
+
+_SKIP_SLOTS = 64  # counters of skipped records: this process and up to 63 loader workers
 
 #: Identities to train on: names, a path to a JSON list of names, or ``None`` for all of them.
 IdentitySelection = Sequence[str] | str | os.PathLike[str] | None
@@ -66,6 +72,11 @@ class FaceDataset(Dataset):
     index, or ``(item index, augmentation seed)`` as the training sampler yields them. Labels are
     remapped to 0..K-1 in the order of the shard set's ``labels.json``; that is decided from the
     per-shard label indexes alone, without reading image bytes.
+
+    A corrupt record (bad CRC-32, or a payload that does not decode) raises
+    :class:`~facepipe.io.shards.CorruptRecordError` naming its shard and key. With ``skip_corrupt``
+    it is logged and counted instead (:attr:`skipped`, summed over loader workers) and its place in
+    the batch goes to another item of the same batch, so batch shapes stay equal on every rank.
     """
 
     def __init__(
@@ -76,11 +87,15 @@ class FaceDataset(Dataset):
         augment: Augmenter | None = None,
         seed: int = 0,
         normalize: bool = True,
+        skip_corrupt: bool = False,
     ) -> None:
         self.shards = shards if isinstance(shards, ShardSet) else ShardSet(shards)
         self.augment = augment
         self.seed = seed
         self.normalize = normalize
+        self.skip_corrupt = skip_corrupt
+        # Shared memory travels to loader workers with the dataset; one slot per process, no lock.
+        self._skipped = torch.zeros(_SKIP_SLOTS, dtype=torch.int64).share_memory_()
         original = self.shards.labels()
         if len(original) != len(self.shards):
             raise ShardSetError(
@@ -113,18 +128,31 @@ class FaceDataset(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
+    @property
+    def skipped(self) -> int:
+        """Corrupt records skipped so far, in this process and its loader workers (``skip_corrupt``)."""
+        return int(self._skipped.sum())
+
     def read(self, item: int) -> bytes:
-        """The stored record bytes of item ``item``."""
+        """The stored record bytes of item ``item`` (checksum checked)."""
         return self.shards.readers[self.item_shards[item]].get(int(self.item_local[item]))
 
-    def read_many(self, items: Sequence[int]) -> list[bytes]:
-        """The stored record bytes of several items: one read transaction per shard touched."""
+    def read_many(self, items: Sequence[int]) -> list[bytes | None]:
+        """The stored record bytes of several items, checksums checked: one read transaction per
+        shard touched. None in place of a corrupt record when ``skip_corrupt``."""
         items = np.asarray(items, dtype=np.int64)
         shards, local = self.item_shards[items], self.item_local[items]
-        out: list[bytes] = [b""] * len(items)
+        out: list[bytes | None] = [b""] * len(items)
         for shard in np.unique(shards):
             where = np.flatnonzero(shards == shard)
-            for position, raw in zip(where, self.shards.readers[shard].get_many(local[where].tolist())):
+            reader, keys = self.shards.readers[shard], local[where].tolist()
+            try:
+                raws: list[bytes | None] = list(reader.get_many(keys))
+            except CorruptRecordError:
+                if not self.skip_corrupt:
+                    raise
+                raws = [self._get_or_skip(reader, key) for key in keys]  # rare: find which ones
+            for position, raw in zip(where, raws):
                 out[position] = raw
         return out
 
@@ -140,18 +168,51 @@ class FaceDataset(Dataset):
         pairs = [key if isinstance(key, tuple) else (key, self.seed * 1_000_003 + key) for key in keys]
         raws = self.read_many([item for item, _ in pairs])
         images = [self._decode(item, raw) for (item, _), raw in zip(pairs, raws)]
+        if any(image is None for image in images):
+            pairs, images = self._fill_skipped(pairs, images)
         if self.augment is not None:
             images = [self.augment(image, seed) for image, (_, seed) in zip(images, pairs)]
         convert = to_tensor if self.normalize else to_uint8_tensor
         return [(convert(image), int(self.labels[item])) for image, (item, _) in zip(images, pairs)]
 
-    def _decode(self, item: int, raw: bytes) -> np.ndarray:
+    def _decode(self, item: int, raw: bytes | None) -> np.ndarray | None:
+        if raw is None:
+            return None
         try:
-            return decode_image(memoryview(raw)[payload_offset(raw) :])
+            return decode_image(memoryview(raw)[payload_offset(raw, verify=False) :])  # read_many checked the CRC
         except (RecordError, OSError, ValueError) as error:
-            shard, local = int(self.item_shards[item]), int(self.item_local[item])
-            name = self.shards.readers[shard].path.name
-            raise ShardSetError(f"corrupt sample {local} in {name}: {error}") from None
+            reader = self.shards.readers[int(self.item_shards[item])]
+            corrupt = CorruptRecordError(reader.path, int(self.item_local[item]), f"payload does not decode ({error})")
+            if not self.skip_corrupt:
+                raise corrupt from None
+            return self._skip(corrupt)
+
+    def _get_or_skip(self, reader: ShardReader, key: int) -> bytes | None:
+        try:
+            return reader.get(key)
+        except CorruptRecordError as error:
+            return self._skip(error)
+
+    def _skip(self, error: CorruptRecordError) -> None:
+        info = get_worker_info()
+        self._skipped[0 if info is None else 1 + info.id % (_SKIP_SLOTS - 1)] += 1
+        log.warning("skipping %s", error)
+        return None
+
+    def _fill_skipped(
+        self, pairs: list[tuple[int, int]], images: list[np.ndarray | None]
+    ) -> tuple[list[tuple[int, int]], list[np.ndarray]]:
+        """Each skipped item's place goes to a sound item of the batch (with the place's own
+        augmentation seed): batch sizes stay what the sampler planned on every rank."""
+        sound = [position for position, image in enumerate(images) if image is not None]
+        if not sound:
+            raise ShardSetError(f"every record of a batch of {len(images)} is corrupt in {self.shards.root}")
+        filled_pairs, filled_images = list(pairs), list(images)
+        for position in (p for p, image in enumerate(images) if image is None):
+            donor = sound[position % len(sound)]
+            filled_pairs[position] = (pairs[donor][0], pairs[position][1])
+            filled_images[position] = images[donor]
+        return filled_pairs, filled_images  # type: ignore[return-value]
 
 
 def _init_worker(worker_id: int) -> None:

@@ -1,6 +1,9 @@
 """The shard set's metadata files: ``manifest.json``, ``labels.json``, ``rejects.jsonl``.
 
-All three are deterministic: sorted keys, no timestamps, no absolute paths, no host names.
+All three are deterministic: sorted keys, no timestamps, no absolute paths, no host names. The
+manifest records the sha256 of the other two (``files``) and of every shard, and each shard's size,
+so that :func:`metadata_problems` can check a set's cross-references in a second or two before a
+run reads it.
 """
 
 from __future__ import annotations
@@ -10,7 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from facepipe.io.shards import SET_FORMAT, SET_VERSION, ShardInfo
+import lmdb
+
+from facepipe.io.shards import SET_FORMAT, SET_VERSION, ShardInfo, ShardReader, ShardSet, ShardSetError, sha256_file
+
+#: The small files whose sha256 the manifest records under ``files``.
+HASHED_FILES = ("labels.json", "rejects.jsonl")
 
 
 def dumps(obj: Any) -> str:
@@ -45,18 +53,101 @@ def write_metadata(
     manifest: Mapping[str, Any],
     identities: Sequence[str],
     rejects: Iterable[Mapping[str, Any]] | None = (),
-) -> None:
+) -> dict[str, Any]:
     """Write labels.json, rejects.jsonl (unless ``rejects`` is None: already streamed) and, last,
-    manifest.json: its presence marks a complete set."""
+    manifest.json with their hashes added: its presence marks a complete set. Returns what it wrote."""
     root = Path(root)
     (root / "labels.json").write_text(dumps(list(identities)))
     if rejects is not None:
         with open(root / "rejects.jsonl", "w") as handle:
             for reject in rejects:
                 handle.write(reject_line(reject))
-    (root / "manifest.json").write_text(dumps(dict(manifest)))
+    written = {**manifest, "files": {name: sha256_file(root / name) for name in HASHED_FILES}}
+    (root / "manifest.json").write_text(dumps(written))
+    return written
 
 
 def reject_line(reject: Mapping[str, Any]) -> str:
     """One line of rejects.jsonl: ``{"detail", "path", "reason"}``."""
     return json.dumps(dict(reject), sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def metadata_problems(shard_set: ShardSet) -> list[str]:
+    """The cheap checks of a set (no record is read): hashes of labels.json and rejects.jsonl, counts
+    against shards and rejects, and each shard's size, sample count and label index against the
+    manifest and labels.json. Empty when they all agree. Seconds for millions of samples."""
+    manifest, root = shard_set.manifest, shard_set.root
+    problems = _small_file_problems(root, manifest.get("files"))
+    names = shard_set.identities
+    if len(set(names)) != len(names):
+        problems.append("labels.json: an identity name appears twice")
+    if manifest.get("num_identities") != len(names):
+        problems.append(f"manifest num_identities {manifest.get('num_identities')} != {len(names)} names in labels.json")
+    problems += _count_problems(manifest, root / "rejects.jsonl")
+    for entry, reader in zip(manifest["shards"], shard_set.readers):
+        problems += _shard_problems(entry, reader, num_identities=len(names))
+    return problems
+
+
+def check_shard_set(root: str | Path) -> ShardSet:
+    """The shard set at ``root`` if :func:`metadata_problems` finds nothing; else a one-line
+    :class:`ShardSetError` naming the first problem (train and evaluate call it before starting)."""
+    shard_set = ShardSet(root)
+    problems = metadata_problems(shard_set)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ShardSetError(f"shard set {root} is inconsistent: {problems[0]}{more}; see facepipe verify {root}")
+    return shard_set
+
+
+def _small_file_problems(root: Path, recorded: Any) -> list[str]:
+    if not isinstance(recorded, dict):
+        return ["manifest.json records no hashes of labels.json and rejects.jsonl"]
+    problems = []
+    for name in HASHED_FILES:
+        if not (root / name).is_file():
+            problems.append(f"{name}: missing")
+        elif sha256_file(root / name) != recorded.get(name):
+            problems.append(f"{name}: sha256 differs from the manifest")
+    return problems
+
+
+def _count_problems(manifest: Mapping[str, Any], rejects: Path) -> list[str]:
+    counts = manifest.get("counts")
+    if not isinstance(counts, dict) or not all(isinstance(counts.get(k), int) for k in ("scanned", "accepted", "rejected")):
+        return ["manifest counts: scanned, accepted and rejected must all be integers"]
+    problems = []
+    in_shards = sum(int(entry["num_samples"]) for entry in manifest["shards"])
+    if manifest.get("num_samples") != in_shards:
+        problems.append(f"manifest num_samples {manifest.get('num_samples')} != {in_shards}, the sum over shards")
+    if counts["scanned"] != counts["accepted"] + counts["rejected"]:
+        problems.append("manifest counts: scanned != accepted + rejected")
+    if counts["accepted"] != in_shards:
+        problems.append(f"manifest counts: accepted {counts['accepted']} != {in_shards} samples in the shards")
+    if rejects.is_file():
+        with open(rejects, "rb") as handle:
+            lines = sum(1 for line in handle if line.strip())
+        if counts["rejected"] != lines:
+            problems.append(f"manifest counts: rejected {counts['rejected']} != {lines} lines in rejects.jsonl")
+    return problems
+
+
+def _shard_problems(entry: Mapping[str, Any], reader: ShardReader, *, num_identities: int) -> list[str]:
+    name, expected = entry["file"], int(entry["num_samples"])
+    if not reader.path.is_file():
+        return [f"{name}: missing"]
+    size = reader.path.stat().st_size
+    if size != entry.get("bytes"):
+        return [f"{name}: {size} bytes, manifest says {entry.get('bytes')}"]
+    try:
+        problems = []
+        if len(reader) != expected:
+            problems.append(f"{name}: {len(reader)} samples, manifest says {expected}")
+        labels = reader.labels()
+        if len(labels) != expected:
+            problems.append(f"{name}: label index holds {len(labels)} labels, manifest says {expected} samples")
+        if len(labels) and (labels.min() < 0 or labels.max() >= num_identities):
+            problems.append(f"{name}: label index has labels outside labels.json's {num_identities} identities")
+        return problems
+    except (ShardSetError, lmdb.Error, ValueError) as error:
+        return [f"{name}: unreadable ({error})"]

@@ -3,6 +3,9 @@
 A shard is a single-file LMDB environment (``subdir=False``). Keys are the 8-byte big-endian sample
 index within the shard; two reserved keys hold the per-shard label index (``__labels__``: int32
 little endian, one per sample, readable without touching image bytes) and a small JSON ``__meta__``.
+
+Every read of a record (:meth:`ShardReader.get`, :meth:`~ShardReader.get_many`, iteration) checks
+its CRC-32 (:mod:`facepipe.io.records`) and names the shard and key of a corrupt one.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import lmdb
 import numpy as np
 
 from facepipe.errors import FacepipeError
-from facepipe.io.records import Record, decode_record
+from facepipe.io.records import Record, RecordError, decode_record, payload_offset, unsafe_path_reason
 
 SHARD_FORMAT = "facepipe-shard"
-SHARD_VERSION = 1
+SHARD_VERSION = 2  # 2: records carry a CRC-32 (records.VERSION 2)
 SET_FORMAT = "facepipe-shards"
-SET_VERSION = 1
+SET_VERSION = 2  # 2: record CRC-32s; shard sizes and labels.json / rejects.jsonl hashes in the manifest
 
 LABELS_KEY = b"__labels__"
 META_KEY = b"__meta__"
@@ -36,6 +39,21 @@ _TXN_RECORDS = 512  # records per write transaction; fixed so that the file byte
 
 class ShardSetError(FacepipeError):
     """A shard or shard set that is missing, corrupt or of an unknown format."""
+
+
+class CorruptRecordError(ShardSetError):
+    """A record whose bytes fail their checks (CRC-32, prefix); names its shard file and key."""
+
+    def __init__(self, shard: Path, key: int, reason: str) -> None:
+        super().__init__(f"corrupt record: {shard} key {key}: {reason}")
+        self.shard = shard
+        self.key = key
+        self.reason = reason
+
+
+def _older(version: object, current: int) -> str:
+    """The advice for a set or shard written by an older facepipe, else nothing."""
+    return "; written by an older facepipe: re-run prepare" if isinstance(version, int) and version < current else ""
 
 
 def shard_name(index: int) -> str:
@@ -52,15 +70,16 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What the manifest says of one finished shard."""
+    """What the manifest says of one finished shard (``bytes``: the file's size)."""
 
     file: str
     num_samples: int
     sha256: str
     payload_bytes: int
+    bytes: int
 
     def manifest_entry(self) -> dict[str, Any]:
-        return {"file": self.file, "num_samples": self.num_samples, "sha256": self.sha256}
+        return {"file": self.file, "num_samples": self.num_samples, "sha256": self.sha256, "bytes": self.bytes}
 
 
 class ShardWriter:
@@ -151,7 +170,7 @@ class ShardWriter:
         self._env.copy(str(final), compact=True)
         self._env.close()
         self._partial.unlink()
-        info = ShardInfo(name, len(labels), sha256_file(final), self._payload_bytes)
+        info = ShardInfo(name, len(labels), sha256_file(final), self._payload_bytes, final.stat().st_size)
         self.shards.append(info)
         self._env = self._txn = self._partial = None
         if self.on_shard is not None:
@@ -237,7 +256,10 @@ class ShardReader:
             raise ShardSetError(f"not a facepipe shard (no {META_KEY.decode()}): {self.path}")
         meta = json.loads(raw)
         if meta.get("format") != SHARD_FORMAT or meta.get("version") != SHARD_VERSION:
-            raise ShardSetError(f"unsupported shard format {meta.get('format')} v{meta.get('version')}: {self.path}")
+            raise ShardSetError(
+                f"unsupported shard format {meta.get('format')} v{meta.get('version')}: {self.path}"
+                + _older(meta.get("version"), SHARD_VERSION)
+            )
         return meta
 
     def __len__(self) -> int:
@@ -254,29 +276,48 @@ class ShardReader:
         return np.frombuffer(raw, dtype="<i4").astype(np.int64)
 
     def get(self, index: int) -> bytes:
-        """The raw record bytes of sample ``index`` (0-based within this shard)."""
+        """The record bytes of sample ``index`` (0-based within this shard), checksum checked."""
         with self.env.begin(buffers=False) as txn:
             raw = txn.get(_KEY.pack(index))
         if raw is None:
             raise IndexError(f"{self.path.name}: no sample {index}")
-        return raw
+        return self.checked(raw, index)
 
     def get_many(self, indexes: Sequence[int]) -> list[bytes]:
-        """The raw record bytes of several samples, read in one transaction (the training loader's batch read)."""
+        """The record bytes of several samples, read in one transaction (the training loader's batch
+        read), each checksum checked."""
         with self.env.begin(buffers=False) as txn:
             records = [txn.get(_KEY.pack(index)) for index in indexes]
         for index, raw in zip(indexes, records):
             if raw is None:
                 raise IndexError(f"{self.path.name}: no sample {index}")
+            self.checked(raw, index)
         return records
 
+    def checked(self, raw: bytes, index: int) -> bytes:
+        """``raw`` if it is a sound record (prefix and CRC-32), else :class:`CorruptRecordError`."""
+        try:
+            payload_offset(raw)
+        except RecordError as error:
+            raise CorruptRecordError(self.path, index, str(error)) from None
+        return raw
+
     def record(self, index: int) -> Record:
-        return decode_record(self.get(index))
+        try:
+            return decode_record(self.get(index), verify=False)  # get() checked the CRC
+        except RecordError as error:
+            raise CorruptRecordError(self.path, index, str(error)) from None
 
     def __iter__(self) -> Iterator[Record]:
         with self.env.begin(buffers=False) as txn:
             for index in range(len(self)):
-                yield decode_record(txn.get(_KEY.pack(index)))
+                raw = txn.get(_KEY.pack(index))
+                if raw is None:
+                    raise ShardSetError(f"{self.path}: no sample {index} of {len(self)}")
+                try:
+                    yield decode_record(raw)
+                except RecordError as error:
+                    raise CorruptRecordError(self.path, index, str(error)) from None
 
 
 class ShardSet:
@@ -294,14 +335,30 @@ class ShardSet:
             self.identities: list[str] = json.loads((self.root / "labels.json").read_text())
         except (OSError, ValueError) as error:
             raise ShardSetError(f"unreadable shard set metadata in {self.root}: {error}") from None
+        if not isinstance(self.manifest, dict):
+            raise ShardSetError(f"manifest.json of {self.root} is not a JSON object")
         if self.manifest.get("format") != SET_FORMAT or self.manifest.get("version") != SET_VERSION:
             raise ShardSetError(
                 f"unsupported shard set format {self.manifest.get('format')!r} "
-                f"v{self.manifest.get('version')} in {self.root}"
+                f"v{self.manifest.get('version')} in {self.root}" + _older(self.manifest.get("version"), SET_VERSION)
             )
-        self.readers = [ShardReader(self.root / "shards" / s["file"]) for s in self.manifest["shards"]]
-        counts = [int(s["num_samples"]) for s in self.manifest["shards"]]
+        if not isinstance(self.identities, list) or not all(isinstance(n, str) for n in self.identities):
+            raise ShardSetError(f"labels.json of {self.root} is not a JSON list of names")
+        files, counts = self._shard_list()
+        self.readers = [ShardReader(self.root / "shards" / file) for file in files]
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+    def _shard_list(self) -> tuple[list[str], list[int]]:
+        """The manifest's shard files (each a safe path under shards/) and sample counts."""
+        try:
+            entries = [(entry["file"], int(entry["num_samples"])) for entry in self.manifest["shards"]]
+        except (KeyError, TypeError, ValueError):
+            raise ShardSetError(f"manifest.json of {self.root} has a malformed shard list") from None
+        for file, count in entries:
+            reason = unsafe_path_reason(file)
+            if reason is not None or count < 0:
+                raise ShardSetError(f"manifest.json of {self.root} lists a bad shard {file!r} ({reason or 'count'})")
+        return [file for file, _ in entries], [count for _, count in entries]
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -322,7 +379,8 @@ class ShardSet:
         return self.readers[shard].get(local)
 
     def record(self, index: int) -> Record:
-        return decode_record(self.get(index))
+        shard, local = self.locate(index)
+        return self.readers[shard].record(local)
 
     def labels(self) -> np.ndarray:
         """[N] int64 labels of every sample in global order, from the per-shard label indexes."""

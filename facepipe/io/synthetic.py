@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,11 +24,13 @@ def write_synthetic_shard_set(
     samples_per_shard: int = 16,
     seed: int = 0,
     quality: int = 90,
+    rejects: Sequence[Mapping[str, Any]] = (),
 ) -> Path:
     """Write a complete shard set whose identities are distinguishable colour/pattern classes.
 
     Identity ``k`` has a fixed random base image; its samples are that image plus noise and a random
-    shift, so a model can learn the classes. Returns ``root``.
+    shift, so a model can learn the classes. ``rejects`` (``{"path", "reason", "detail"}``) go to
+    rejects.jsonl and the counts as if prepare had rejected them. Returns ``root``.
     """
     root = Path(root)
     rng = np.random.default_rng(seed)
@@ -57,8 +62,9 @@ def write_synthetic_shard_set(
         shards,
         image={"size": image_size, "encoding": "jpeg", "quality": quality, "template": "arcface"},
         num_identities=num_identities,
-        counts={"scanned": total, "accepted": total, "rejected": 0},
+        counts={"scanned": total + len(rejects), "accepted": total, "rejected": len(rejects)},
         params={"synthetic": True, "seed": seed},
     )
-    write_metadata(root, manifest=manifest, identities=identities)
+    manifest["rejected_by_reason"] = dict(sorted(Counter(str(r["reason"]) for r in rejects).items()))
+    write_metadata(root, manifest=manifest, identities=identities, rejects=rejects)
     return root

@@ -30,7 +30,7 @@ from facepipe.evaluation.embed import embed_images
 from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
 from facepipe.evaluation.verification import VerificationResult, cosine_scores, thin_roc, verification_metrics
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
-from facepipe.io.manifest import dumps
+from facepipe.io.manifest import check_shard_set, dumps
 from facepipe.io.model_dir import load_backbone
 from facepipe.io.shards import ShardSet
 
@@ -177,7 +177,7 @@ def run(
     device = resolve_device(params.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FacepipeError("evaluate.device is 'cuda' but no CUDA device is available")
-    shard_set = ShardSet(prepared)
+    shard_set = check_shard_set(prepared)  # counts, sizes, small files' hashes: seconds, before any work
     kind, indexes, same = load_pairs(pairs_path, shard_set)
     num_same, num_different = int(same.sum()), int((~same).sum())
     if min(num_same, num_different) < params.folds:

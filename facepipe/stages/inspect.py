@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from collections import Counter
 from pathlib import Path
@@ -13,8 +14,11 @@ from PIL import Image
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
 from facepipe.io.atomic import OutputKind, check_output
-from facepipe.io.records import RecordError, decode_image
-from facepipe.io.shards import sha256_file
+from facepipe.io.manifest import metadata_problems
+from facepipe.io.records import Record, decode_image, unsafe_path_reason
+from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file
+
+_SHOWN_PER_SHARD = 20  # record problems listed per shard; the rest are counted
 
 
 def summarize(root: str | Path) -> dict[str, Any]:
@@ -52,50 +56,145 @@ def summarize(root: str | Path) -> dict[str, Any]:
 
 
 def dump_faces(root: str | Path, out: str | Path, *, limit: int | None = None) -> int:
-    """Write aligned faces as PNG files under ``out``, mirroring their source paths; returns the count."""
+    """Write aligned faces as PNG files under ``out``, one file per sample; returns the count.
+
+    A face goes to ``out/<source path>.png`` (``a/b.jpg`` -> ``a/b.jpg.png``: sources that differ
+    only by extension stay apart). A source path that could leave ``out`` (absolute, ``..``), or a
+    name this dump has used already (compared case-insensitively, for file systems that do), goes to
+    ``out/_renamed/<shard>-<key>.png`` instead. Every target is resolved and checked to lie under
+    ``out``. What ``out`` may already hold is the caller's check (the CLI allows earlier dumps only).
+    """
     shard_set = ShardSet(root)
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = out.resolve()
+    taken: set[str] = set()
     written = 0
     for reader in shard_set.readers:
-        for record in reader:
+        for key, record in enumerate(reader):
             if limit is not None and written >= limit:
                 return written
-            target = (out / record.path).with_suffix(".png")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(record.image()).save(target)
+            fallback = f"_renamed/{Path(reader.path.name).stem}-{key:08d}.png"
+            path = record.header.get("path")
+            names = [fallback] if unsafe_path_reason(path) else [f"{path}.png", fallback]
+            png = _encode_png(record)
+            if not any(_write_new(base, name, png, taken=taken) for name in names):
+                raise FacepipeError(f"cannot dump {reader.path.name} key {key}: {fallback} is taken under {out}")
             written += 1
     return written
 
 
+def _encode_png(record: Record) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(record.image()).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _write_new(base: Path, name: str, data: bytes, *, taken: set[str]) -> bool:
+    """Write ``data`` to ``base/name`` unless this dump used the name already or a file stands where
+    a folder of it should (False). Raises FacepipeError if the resolved target leaves ``base``."""
+    if name.casefold() in taken:
+        return False
+    target = (base / name).resolve()
+    if not target.is_relative_to(base):
+        raise FacepipeError(f"dump path {name!r} leaves {base}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    except (FileExistsError, NotADirectoryError, IsADirectoryError):
+        return False
+    taken.add(name.casefold())
+    return True
+
+
 def verify(root: str | Path) -> list[str]:
-    """Every problem found (empty when the set is sound): checksums, counts, label index, decoding."""
+    """Every problem found (empty when the set is sound), each one line.
+
+    The cheap checks of :func:`facepipe.io.manifest.metadata_problems` (hashes of the small files,
+    counts, shard sizes and label indexes), then every shard's sha256 and every record: CRC-32,
+    header, label against the label index and labels.json, path (safe, under its identity's folder,
+    never twice in the set) and image decoding; and rejects.jsonl line by line.
+    """
     shard_set = ShardSet(root)
-    problems = []
+    problems = metadata_problems(shard_set)
+    seen: dict[str, str] = {}  # path -> where it was seen first
     for entry, reader in zip(shard_set.manifest["shards"], shard_set.readers):
-        name = entry["file"]
-        if not reader.path.is_file():
-            problems.append(f"{name}: missing")
-            continue
-        if sha256_file(reader.path) != entry["sha256"]:
-            problems.append(f"{name}: sha256 differs from the manifest")
-            continue
+        if reader.path.is_file():
+            problems += _verify_shard(entry, reader, identities=shard_set.identities, seen=seen)
+    problems += _verify_rejects(Path(root) / "rejects.jsonl", shard_set.manifest, seen=seen)
+    return problems
+
+
+def _verify_shard(entry: dict[str, Any], reader: ShardReader, *, identities: list[str], seen: dict[str, str]) -> list[str]:
+    name = entry["file"]
+    problems = []
+    if sha256_file(reader.path) != entry["sha256"]:
+        problems.append(f"{name}: sha256 differs from the manifest")
+    try:
+        labels = reader.labels()
+    except (ShardSetError, ValueError) as error:
+        return problems + [f"{name}: label index unreadable ({error})"]
+    found = []
+    for key in range(int(entry["num_samples"])):
         try:
-            if len(reader) != entry["num_samples"]:
-                problems.append(f"{name}: {len(reader)} samples, manifest says {entry['num_samples']}")
-            labels = reader.labels()
-            for index, record in enumerate(reader):
-                if record.label != labels[index]:
-                    problems.append(f"{name}[{index}]: label {record.label} != label index {labels[index]}")
-                if not 0 <= record.label < shard_set.num_identities:
-                    problems.append(f"{name}[{index}]: label {record.label} outside labels.json")
-                decode_image(record.payload)
-        except (RecordError, OSError, ValueError, FacepipeError) as error:
-            problems.append(f"{name}: {error}")
-    if sum(e["num_samples"] for e in shard_set.manifest["shards"]) != shard_set.manifest["num_samples"]:
-        problems.append("manifest num_samples does not equal the sum over shards")
-    counts = shard_set.manifest.get("counts")
-    if counts and counts["scanned"] != counts["accepted"] + counts["rejected"]:
-        problems.append("manifest counts: scanned != accepted + rejected")
+            record = reader.record(key)
+        except IndexError:
+            found.append(f"{name} key {key}: record missing")
+            continue
+        except CorruptRecordError as error:
+            found.append(f"{name} key {key}: {error.reason}")
+            continue
+        found += [f"{name} key {key}: {problem}" for problem in _record_problems(record, key, labels, identities)]
+        path = str(record.header.get("path"))
+        if path in seen:
+            found.append(f"{name} key {key}: path {path!r} also at {seen[path]}")
+        seen.setdefault(path, f"{name} key {key}")
+    hidden = len(found) - _SHOWN_PER_SHARD
+    return problems + found[:_SHOWN_PER_SHARD] + ([f"{name}: {hidden} more record problems"] if hidden > 0 else [])
+
+
+def _record_problems(record: Record, key: int, labels: Any, identities: list[str]) -> list[str]:
+    """What is wrong with one record (``labels``: its shard's label index)."""
+    label = record.header.get("label")
+    if not isinstance(label, int) or not 0 <= label < len(identities):
+        return [f"label {label!r} outside labels.json's {len(identities)} identities"]
+    problems = []
+    indexed = int(labels[key]) if key < len(labels) else None
+    if indexed != label:
+        problems.append(f"label {label} != label index {indexed}")
+    reason = unsafe_path_reason(record.header.get("path"))
+    if reason is not None:
+        problems.append(f"unsafe path {record.header.get('path')!r} ({reason})")
+    elif record.header["path"].split("/", 1)[0] != identities[label]:
+        problems.append(f"path {record.header['path']!r} is not under {identities[label]!r}, label {label} in labels.json")
+    try:
+        decode_image(record.payload)
+    except (OSError, ValueError) as error:
+        problems.append(f"payload does not decode ({error})")
+    return problems
+
+
+def _verify_rejects(path: Path, manifest: dict[str, Any], *, seen: dict[str, str]) -> list[str]:
+    """rejects.jsonl line by line: readable, no path also accepted or rejected twice, reasons as the manifest says."""
+    if not path.is_file():
+        return []  # metadata_problems names it
+    problems: list[str] = []
+    reasons: Counter[str] = Counter()
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                reject = json.loads(line)
+                reject_path, reason = reject["path"], reject["reason"]
+            except (ValueError, TypeError, KeyError):
+                problems.append(f"rejects.jsonl line {number}: not a JSON object with path and reason")
+                continue
+            reasons[str(reason)] += 1
+            if reject_path in seen:
+                problems.append(f"rejects.jsonl line {number}: {reject_path!r} also at {seen[reject_path]}")
+            seen.setdefault(reject_path, f"rejects.jsonl line {number}")
+    recorded = manifest.get("rejected_by_reason")
+    if recorded is not None and recorded != dict(reasons):
+        problems.append("manifest rejected_by_reason differs from the reasons in rejects.jsonl")
     return problems
 
 

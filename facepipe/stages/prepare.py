@@ -119,8 +119,7 @@ class SetBuilder:
             params=p.model_dump(),
         )
         manifest["rejected_by_reason"] = dict(sorted(self.reasons.items()))
-        write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
-        return manifest
+        return write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
 
     def abort(self) -> None:
         self.writer.abort()

@@ -35,6 +35,7 @@ from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import create_head
+from facepipe.io.manifest import check_shard_set
 from facepipe.io.atomic import check_output, remove_stale_temporaries
 from facepipe.io.model_dir import (
     CHECKPOINT_DIR,
@@ -63,7 +64,7 @@ log = logging.getLogger("facepipe.train")
 #: Parameters that change how a run reports or is laid out, never what it computes: a resumed run
 #: may change them.
 OPERATIONAL_KEYS = frozenset(
-    {"num_workers", "log_every", "checkpoint_every", "keep_checkpoints", "nproc_per_node", "device"}
+    {"num_workers", "log_every", "checkpoint_every", "keep_checkpoints", "nproc_per_node", "device", "skip_corrupt_records"}
 )
 
 #: Builds the model to train: (params, num_classes=, image_size=) -> FaceModel.
@@ -88,6 +89,7 @@ class TrainReport:
     accuracy: float | None
     samples_per_s: float
     elapsed_s: float
+    skipped_records: int = 0  # corrupt records skipped (train.skip_corrupt_records), this process
 
 
 def build_model(params: TrainParams, *, num_classes: int, image_size: int) -> FaceModel:
@@ -181,7 +183,10 @@ def _train(
     started = time.perf_counter()
     _warn_single_process(params, context)
     # uint8 batches between processes (4x fewer bytes); the trainer maps them to [-1, 1] on the device
-    dataset = FaceDataset(prepared, identities=identities, seed=params.seed, normalize=False)
+    shard_set = check_shard_set(prepared)  # counts, sizes, small files' hashes: seconds, before any work
+    dataset = FaceDataset(
+        shard_set, identities=identities, seed=params.seed, normalize=False, skip_corrupt=params.skip_corrupt_records
+    )
     dataset.augment = Augmenter(params.augment, image_size=dataset.image_size)
     plan = make_plan(params, num_samples=len(dataset), world_size=context.world_size)
     _log_plan(dataset, plan)
@@ -216,6 +221,8 @@ def _train(
     finally:
         metrics.close()
     samples_per_s = (state.step - start_step) * plan.effective_batch / max(time.perf_counter() - fit_started, 1e-9)
+    if dataset.skipped:
+        log.warning("skipped %d corrupt record reads (train.skip_corrupt_records); see the warnings above", dataset.skipped)
     if context.is_main:
         save_model_dir(out, model.backbone, spec)
         log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
@@ -234,6 +241,7 @@ def _train(
         accuracy=trainer.last_metrics.get("accuracy"),
         samples_per_s=samples_per_s,
         elapsed_s=time.perf_counter() - started,
+        skipped_records=dataset.skipped,
     )
 
 
