@@ -36,7 +36,12 @@ class PrepareParams(Section):
     image_size: int = Field(112, ge=16, le=1024, description="side of the aligned square face, pixels")
     encoding: Literal["jpeg", "png"] = "jpeg"
     quality: int = Field(95, ge=1, le=100, description="JPEG quality of the stored faces")
-    detector: Literal["mtcnn"] = "mtcnn"
+    detector: Literal["mtcnn", "retinaface"] = "mtcnn"
+    detector_weights: str | None = Field(
+        None,
+        description="retinaface only: biubug6 .pth checkpoint (MobileNet-0.25 or ResNet-50) or .onnx file;"
+        " default: the MobileNet-0.25 weights of `facepipe weights fetch retinaface`",
+    )
     min_face_size: int = Field(40, ge=12, description="shorter side of the face box in the original image")
     score_threshold: float = Field(0.95, ge=0.0, le=1.0)
     face_selection: Literal["largest", "center", "highest_score"] = "largest"
@@ -46,6 +51,12 @@ class PrepareParams(Section):
     max_pixels: int = Field(40_000_000, ge=1, description="images above this many pixels are rejected")
     chunk_size: int = Field(16, ge=1, description="images per unit of parallel work (one detector batch)")
     samples_per_shard: int = Field(10_000, ge=1)
+
+    @model_validator(mode="after")
+    def _weights_need_retinaface(self) -> PrepareParams:
+        if self.detector_weights is not None and self.detector != "retinaface":
+            raise ValueError(f"detector_weights is for detector: retinaface ({self.detector} ships its own weights)")
+        return self
 
 
 class SampleDataParams(Section):

