@@ -213,6 +213,7 @@ def test_lfw_pairs_with_missing_images_fail_with_a_count(
     pairs = tmp_path / "pairs.txt"
     pairs.write_text(lfw_pairs_text(missing=True))
     argv = ["evaluate", str(model_dir), str(prepared), str(tmp_path / "out"), "--pairs", str(pairs)]
+    (tmp_path / "none.yaml").write_text("")  # all defaults (a named params file must exist)
     assert cli.main([*argv, "--params", str(tmp_path / "none.yaml")]) == 2
     err = capsys.readouterr().err
     assert "2 of 12 images are not in" in err and "Ann_Lee/Ann_Lee_0007.jpg" in err and err.count("\n") == 1

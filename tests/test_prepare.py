@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -126,11 +127,10 @@ def test_output_is_byte_identical_for_one_and_two_workers(faces_raw, prepared, t
 def test_rerun_replaces_an_existing_set(faces_raw, prepared, tmp_path):
     raw, _ = faces_raw
     out = tmp_path / "set"
-    (out / "shards").mkdir(parents=True)
-    (out / "manifest.json").write_text("{}")
-    (out / "shards" / "stale.lmdb").write_text("old")
+    shutil.copytree(prepared[0], out)  # an earlier set (only a facepipe shard set is ever replaced)
+    (out / "shards" / "shard-00099.lmdb").write_text("old")  # a shard only the earlier run had
     prepare.run(PARAMS, raw, out, workers=1, progress=False)
-    assert not (out / "shards" / "stale.lmdb").exists()
+    assert not (out / "shards" / "shard-00099.lmdb").exists()
     assert (out / "manifest.json").read_bytes() == (prepared[0] / "manifest.json").read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == ["set"]  # no temporary siblings left
 
@@ -226,6 +226,7 @@ def test_existing_dask_cluster_by_scheduler_address(faces_raw, prepared, tmp_pat
             assert time.time() < deadline, "dask cluster did not come up"
             time.sleep(0.5)
         out = tmp_path / "set"
+        (tmp_path / "none.yaml").write_text("")  # all defaults (a named params file must exist)
         code = main(["prepare", str(raw), str(out), "--params", str(tmp_path / "none.yaml"),
                      "--scheduler-address", address])
         assert code == 0

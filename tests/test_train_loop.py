@@ -39,6 +39,7 @@ from facepipe.training.checkpoint import (
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    state_checksum,
 )
 from facepipe.training.distributed import Distributed
 from facepipe.training.optimizer import build_optimizer
@@ -288,7 +289,7 @@ def test_resume_with_another_world_size(finished_run, shard_set, tmp_path, monke
     state = torch.load(path, weights_only=True)
     assert (state["step"], state["epoch_samples"]) == (3, 24)
     state.update(world_size=2, rng=state["rng"] * 2)  # as if 2 processes x batch 4 had written it
-    atomic_save(state, path)
+    atomic_save({**state, "checksum": state_checksum(state)}, path)
     monkeypatch.setattr(trainer_module, "head_is_sharded", lambda head: True)
     with pytest.raises(FacepipeError, match="written by 2 processes .* resume with 2 processes"):
         run(params, shard_set, out, model_factory=linear_model)
