@@ -14,7 +14,7 @@ export NO_ALBUMENTATIONS_UPDATE := 1
 export DVC_NO_ANALYTICS := 1
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean-demo
+.PHONY: install demo test test-fast bench clean-demo mutants
 
 install: $(STAMP)
 
@@ -39,6 +39,24 @@ test: install
 
 test-fast: install
 	python -m pytest -q -m "not slow and not multiprocess" $(PYTEST_ARGS)
+
+# Mutation testing of the core modules (tests/README.md): not part of `make test`. One runner process
+# at low priority; mutmut works on a copy in ./mutants. MUTANTS narrows the run to a mutant-name glob,
+# e.g. make mutants MUTANTS='facepipe.alignment.*'. Ends with the score per module.
+MUTANTS ?=
+MUTANTS_STAMP := $(VENV)/.mutants-stamp
+
+$(MUTANTS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,export,mutants]'
+	touch $(MUTANTS_STAMP)
+
+mutants: $(MUTANTS_STAMP)
+	mkdir -p mutants
+	nice -n 10 mutmut run --max-children 1 $(MUTANTS) > mutants/run.log 2>&1 || (tail -c 2000 mutants/run.log; exit 1)
+	@mutmut results --all true | awk -F': ' '{ m = $$1; sub(/^ +/, "", m); sub(/\.x.*/, "", m); \
+	  total[m]++; if ($$2 == "killed") killed[m]++; else if ($$2 != "") left[m] = left[m] " " $$2 } \
+	  END { for (m in total) printf "%-32s %4d / %4d killed (%5.1f%%)\n", m, killed[m], total[m], 100 * killed[m] / total[m] }' | sort
+	@echo "survivors: mutmut results; one mutant's diff: mutmut show NAME"
 
 bench: install
 	python benchmarks/prepare_bench.py

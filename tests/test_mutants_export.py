@@ -1,0 +1,1 @@
+"""Tests added to kill mutants of facepipe/export (tests/README.md)."""

@@ -1,0 +1,95 @@
+"""The model-parallel head in this process, on a real one-rank gloo group (tests/README.md).
+
+The two-process equivalence test in test_heads.py is a ``multiprocess`` test that the mutation run
+cannot attribute to the head's functions; this one runs in-process, so every mutant of the sharded
+head's single-rank arithmetic (cross-entropy, its hand-written backward, weight gathering) meets it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from facepipe.heads import create_head, create_model_parallel_head, list_heads
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["arcface", "cosface", "curricularface"])
+def test_one_rank_sharded_head_is_the_dense_head(one_rank_group: None, name: str) -> None:
+    torch.manual_seed(0)
+    dense = create_head(name, embedding_size=5, num_classes=7, scale=16.0).double()
+    sharded = create_model_parallel_head(name, embedding_size=5, num_classes=7, scale=16.0).double()
+    sharded.load_full_weight(dense.weight.detach())
+    assert (sharded.class_start, sharded.num_local, sharded.world_size, sharded.rank) == (0, 7, 1, 0)
+    torch.testing.assert_close(sharded.gather_weight(), dense.weight.detach(), rtol=0, atol=0)
+    assert sharded.margin.sync_statistics is False and dense.margin.sync_statistics is True
+    for step in range(2):  # CurricularFace's t must move the same way in both
+        generator = torch.Generator().manual_seed(step)
+        embeddings = torch.randn(6, 5, dtype=torch.float64, generator=generator)
+        labels = torch.tensor([0, 6, 3, 3, 1, 5])
+        dense_input = embeddings.clone().requires_grad_(True)
+        sharded_input = embeddings.clone().requires_grad_(True)
+        dense_loss = F.cross_entropy(dense(dense_input, labels), labels)
+        dense_loss.backward()
+        loss = sharded(sharded_input, labels)
+        loss.backward()
+        assert loss.shape == () and loss.dtype == torch.float64
+        torch.testing.assert_close(loss, dense_loss)
+        torch.testing.assert_close(sharded_input.grad, dense_input.grad)
+        torch.testing.assert_close(sharded.weight.grad, dense.weight.grad)
+        dense.zero_grad()
+        sharded.zero_grad()
+    if name == "curricularface":
+        torch.testing.assert_close(sharded.margin.t, dense.margin.t)
+        assert dense.margin.t.item() != 0.0
+
+
+def test_sharded_loss_is_the_cross_entropy_at_large_logits(one_rank_group: None) -> None:
+    # float32 logits of ±100: exp(100) overflows float32, so this needs the shift by the row maximum
+    head = create_model_parallel_head("cosface", embedding_size=2, num_classes=3, scale=100.0, margin=0.0)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]))
+    embeddings = torch.tensor([[1.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    loss = head(embeddings, torch.tensor([0, 0]))
+    # row 0: logits (100, 0, -100), target 100; row 1: (0, 100, 0), target 0
+    row0 = torch.logsumexp(torch.tensor([100.0, 0.0, -100.0], dtype=torch.float64), 0) - 100.0
+    row1 = torch.logsumexp(torch.tensor([0.0, 100.0, 0.0], dtype=torch.float64), 0)
+    expected = ((row0 + row1) / 2).float()
+    assert torch.isfinite(loss)
+    torch.testing.assert_close(loss, expected)
+
+
+def test_load_full_weight_checks_the_shape(one_rank_group: None) -> None:
+    head = create_model_parallel_head("arcface", embedding_size=4, num_classes=3)
+    with pytest.raises(ValueError, match=r"^expected class centres \[3, 4\], got \[3, 5\]$"):
+        head.load_full_weight(torch.zeros(3, 5))
+    assert "(\n  embedding_size=4, num_classes=3, scale=64.0, classes=[0, 3) of rank 0/1\n" in repr(head)
+
+
+def test_head_arguments_are_checked() -> None:
+    for kwargs, message in [
+        ({"embedding_size": 0, "num_classes": 3}, "^embedding_size must be positive, got 0$"),
+        ({"embedding_size": 4, "num_classes": 0}, "^num_classes must be positive, got 0$"),
+        ({"embedding_size": 4, "num_classes": 3, "scale": 0.0}, "^scale must be positive, got 0.0$"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            create_head("arcface", **kwargs)
+    # the smallest legal values build
+    head = create_head("arcface", embedding_size=1, num_classes=1, scale=1e-3)
+    assert tuple(head.weight.shape) == (1, 1)
+    assert "(\n  embedding_size=1, num_classes=1, scale=0.001\n" in repr(head)
+    assert sorted(list_heads()) == list_heads()

@@ -1,0 +1,1 @@
+"""Tests added to kill mutants of facepipe/records (tests/README.md)."""
