@@ -4,6 +4,7 @@ onnxruntime, decoding and batching, and agreement with the MTCNN path on real ph
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,18 @@ import numpy as np
 import pytest
 import torch
 
+from facepipe.alignment import template
+from facepipe.cli import main
+from facepipe.config import PrepareParams
 from facepipe.data.decode import Reject, load_image
 from facepipe.detection import MTCNNDetector, weights
 from facepipe.detection.retinaface import RetinaFaceDetector, decode, priors
 from facepipe.detection.retinaface_net import BGR_MEAN, RetinaFace, load_checkpoint, load_onnx
 from facepipe.errors import FacepipeError
+from facepipe.io import ShardSet
+from facepipe.stages import prepare
+from facepipe.stages.inspect import verify
+from rawdata import TEST_PARAMS, make_faces_raw, save
 from test_detection import photos
 
 #: sha256 of the ONNX model inside the pinned wheel (the wheel's own hash is pinned in facepipe).
@@ -255,3 +263,72 @@ def test_finds_the_faces_mtcnn_finds_with_the_same_eyes(detector, sample_raw):
     errors = np.array([error for error, _ in eye_errors])
     assert np.median(errors) < 0.05, errors
     assert max(error for error, seen_at in eye_errors if seen_at >= 24) < 0.08, eye_errors
+
+
+# -- prepare with detector: retinaface ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def retina_prepared(retinaface_onnx, tmp_path_factory):
+    raw = tmp_path_factory.mktemp("raw")
+    expected = make_faces_raw(raw)
+    out = tmp_path_factory.mktemp("prep") / "set"
+    report = prepare.run(RETINA_PARAMS, raw, out, workers=1, progress=False)
+    return raw, expected, out, report
+
+
+RETINA_PARAMS = PrepareParams(**TEST_PARAMS, detector="retinaface")
+
+
+@pytest.mark.multiprocess
+def test_prepare_with_retinaface_gives_a_normal_shard_set(retina_prepared):
+    """Same rejects and accounting as the MTCNN path (tests/test_prepare.py), the detector recorded."""
+    raw, expected, out, report = retina_prepared
+    found = {r["path"]: r["reason"] for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    assert found == expected
+    shard_set = ShardSet(out)
+    assert report["counts"] == shard_set.manifest["counts"] and shard_set.manifest["counts"]["accepted"] == 7
+    assert shard_set.manifest["params"]["detector"] == "retinaface"
+    assert shard_set.manifest["params"] == RETINA_PARAMS.model_dump()
+    assert verify(out) == []
+
+
+@pytest.mark.multiprocess
+def test_retinaface_aligned_eyes_land_on_the_template(retina_prepared):
+    """The check the MTCNN path passes: facenet-pytorch's MTCNN re-detects the aligned faces and finds
+    the eyes on the ArcFace template."""
+    from facenet_pytorch import MTCNN
+
+    *_, out, _ = retina_prepared
+    reference = MTCNN(keep_all=True, min_face_size=40, device="cpu")
+    shard_set = ShardSet(out)
+    errors = []
+    for index in range(len(shard_set)):
+        canvas = np.full((224, 224, 3), 128, np.uint8)
+        canvas[56:168, 56:168] = shard_set.record(index).image()
+        boxes, _, landmarks = reference.detect(canvas, landmarks=True)
+        assert boxes is not None, shard_set.record(index).path
+        eyes = np.asarray(landmarks, dtype=np.float32)[0][:2] - 56
+        errors.append(np.abs(eyes - template(112)[:2]).max())
+    assert len(errors) == 7
+    assert np.median(errors) < 3.0 and max(errors) < 5.0, errors
+
+
+@pytest.mark.multiprocess  # starts a local Dask worker (~20 s here)
+@pytest.mark.slow
+def test_missing_weights_fail_prepare_up_front(tmp_path, monkeypatch, capsys):
+    raw = tmp_path / "raw"
+    save(photos()["hopper"], raw / "a" / "1.jpg")
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare:\n  detector: retinaface\n")
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path / "empty-cache"))
+    code = main(["prepare", str(raw), str(tmp_path / "out"), "--params", str(params), "--workers", "1"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run `facepipe weights fetch retinaface`" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_detector_weights_need_retinaface():
+    with pytest.raises(ValueError, match="detector_weights is for detector: retinaface"):
+        PrepareParams(detector_weights="Resnet50_Final.pth")
