@@ -26,10 +26,23 @@ from prefect_dask import DaskTaskRunner
 from flows.api import share_api_with_workers
 
 
+class ChunkFailed(RuntimeError):
+    """A prepare chunk task failed after its retry; the message names the chunk's first and last file."""
+
+
 @task(name="prepare-chunk", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2)
 def prepare_chunk(paths: list[str], raw: str, params: PrepareParams, device: str) -> list[Outcome]:
-    """One chunk of images (a detector batch), not one image: task overhead stays small."""
-    return process_chunk(paths, raw, params, device)
+    """One chunk of images (a detector batch), not one image: task overhead stays small.
+
+    Per-image problems are rejects; what escapes is a worker fault (memory, a lost file system), retried
+    once, then raised as :class:`ChunkFailed` naming the chunk, so the flow's failure says where.
+    """
+    try:
+        return process_chunk(paths, raw, params, device)
+    except Exception as error:
+        raise ChunkFailed(
+            f"chunk {paths[0]} .. {paths[-1]} ({len(paths)} files) failed: {type(error).__name__}: {error}"
+        ) from error
 
 
 @flow(name="facepipe-prepare", log_prints=True)

@@ -52,6 +52,37 @@ def test_flow_matches_cli_and_reports_every_chunk_to_one_api(harness, tmp_path):
     assert all(t.state.is_completed() for t in chunk_runs)
 
 
+def test_a_failing_chunk_is_retried_once_then_fails_the_flow_naming_it(harness, tmp_path, monkeypatch):
+    """In-process task runner, so that one chunk's fault can be injected; the others run for real."""
+    import flows.prepare as flow_module
+
+    raw = tmp_path / "raw"
+    make_faces_raw(raw)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"prepare": TEST_PARAMS}))
+    attempts = []
+    real = flow_module.process_chunk
+
+    def faulty(chunk, *args, **kwargs):
+        if "hopper/0002.jpg" in chunk:  # not the first chunk: the failure must name the right one
+            attempts.append(list(chunk))
+            raise OSError("injected worker fault")
+        return real(chunk, *args, **kwargs)
+
+    monkeypatch.setattr(flow_module, "process_chunk", faulty)
+    state = flow_module.prepare_flow(str(raw), str(tmp_path / "out"), params_file=str(params), workers=1,
+                                     device="cpu", return_state=True)
+    assert state.is_failed()
+    assert len(attempts) == 2 and attempts[0] == attempts[1]  # tried, retried once, then given up
+    broken = attempts[0]
+    assert broken[0] != "astro/0001.jpg" and len(broken) == TEST_PARAMS["chunk_size"]
+    expected = f"chunk {broken[0]} .. {broken[-1]} ({len(broken)} files) failed: OSError: injected worker fault"
+    with pytest.raises(flow_module.ChunkFailed) as caught:
+        state.result()
+    assert str(caught.value) == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "raw"]  # no set, no temporary folder
+
+
 def test_flow_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     from flows.prepare import main as flow_main
 
