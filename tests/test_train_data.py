@@ -99,6 +99,58 @@ def test_augmentation_seeds_differ_between_ranks_and_reproduce():
     assert not np.array_equal(augment_seeds(10, epoch=0, seed=5), augment_seeds(10, epoch=1, seed=5))
 
 
+def test_the_epoch_order_is_pinned():
+    """Seed 7, epoch 1, shards of 5, 4 and 3 items, windows of 4. A change here changes which samples a
+    resumed run skips, so it must be deliberate: shard order 0, 2, 1, then each window shuffled."""
+    item_shards = np.repeat(np.arange(3), [5, 4, 3])
+    stream = shuffled_stream(item_shards, epoch=1, seed=7, buffer_size=4)
+    assert stream.dtype == np.int64
+    assert stream.tolist() == [0, 2, 1, 3, 10, 11, 4, 9, 7, 6, 5, 8]
+    # the windows hold exactly the shard-ordered items [0..4, 9..11, 5..8] cut in fours
+    shard_ordered = [0, 1, 2, 3, 4, 9, 10, 11, 5, 6, 7, 8]
+    for start in range(0, 12, 4):
+        assert sorted(stream[start : start + 4]) == sorted(shard_ordered[start : start + 4])
+    assert augment_seeds(3, epoch=1, seed=7).tolist() == [6869552546566219249, 5755065231262107888, 1041231652669620789]
+
+
+def test_a_window_of_one_keeps_storage_order_within_shards():
+    stream = shuffled_stream(ITEM_SHARDS, epoch=0, seed=0, buffer_size=1)
+    starts = [i for i in range(len(stream)) if i == 0 or ITEM_SHARDS[stream[i]] != ITEM_SHARDS[stream[i - 1]]]
+    assert len(starts) == 7  # each shard in one run
+    assert all(b == a + 1 for a, b in zip(stream, stream[1:]) if ITEM_SHARDS[a] == ITEM_SHARDS[b])
+    assert shuffled_stream(np.zeros(0, np.int64), epoch=0, seed=0, buffer_size=8).tolist() == []
+
+
+def test_the_stream_is_dealt_round_robin_with_its_seeds():
+    world, start = 3, 5
+    stream = shuffled_stream(ITEM_SHARDS, epoch=4, seed=2, buffer_size=8)
+    seeds = augment_seeds(len(ITEM_SHARDS), epoch=4, seed=2)
+    usable = (len(ITEM_SHARDS) - start) // (2 * world * 2) * (2 * world * 2)  # 96 of the 98 left
+    for rank in range(world):
+        sampler = ShardOrderSampler(
+            ITEM_SHARDS, batch_size=2, rank=rank, world_size=world, accum_steps=2, buffer_size=8, seed=2
+        )
+        batches = epoch_batches(sampler, 4, start=start)
+        positions = range(start + rank, start + usable, world)
+        assert [pair for batch in batches for pair in batch] == [(stream[i], seeds[i]) for i in positions]
+        assert len(sampler) == len(batches) == usable // (2 * world)
+
+
+def test_sampler_defaults_and_limits():
+    items = np.repeat(np.arange(3), 3000)  # more than the default window of 4096
+    default = ShardOrderSampler(items, batch_size=4)
+    explicit = ShardOrderSampler(items, batch_size=4, rank=0, world_size=1, accum_steps=1, buffer_size=4096, seed=0)
+    assert epoch_batches(default, 0) == epoch_batches(explicit, 0)
+    assert (default.global_batch, default.steps_per_epoch(), len(default)) == (4, 2250, 2250)
+    sampler = ShardOrderSampler(ITEM_SHARDS, batch_size=4, world_size=2, accum_steps=1)  # 8 per step, 103 items
+    assert not sampler.epoch_finished(95) and sampler.epoch_finished(96)
+    sampler.set_epoch(0, start_sample=200)  # past the end: nothing left, not an error
+    assert len(sampler) == 0 and list(sampler) == []
+    for rank, world in [(-1, 2), (2, 2), (0, 0)]:
+        with pytest.raises(ValueError, match=f"^rank {rank} outside world size {world}$"):
+            ShardOrderSampler(ITEM_SHARDS, batch_size=4, rank=rank, world_size=world)
+
+
 # -- augmentation -------------------------------------------------------------------------------------
 
 

@@ -87,3 +87,52 @@ def test_plan_is_derived_not_written_back():
 def test_plan_refuses_a_dataset_smaller_than_one_step():
     with pytest.raises(FacepipeError, match="do not fill one optimizer step of 64"):
         make_plan(tiny_params(batch_size=32), num_samples=63, world_size=2)
+
+
+# --- found by mutation testing (tests/README.md) ----------------------------------------------------
+
+
+def test_unknown_rules_are_value_errors():
+    with pytest.raises(ValueError, match="^unknown lr scaling 'cubic'$"):
+        scale_lr(0.1, reference_batch=256, effective_batch=512, rule="cubic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^unknown decay 'step'$"):
+        lr_factor(5, total_steps=10, warmup_steps=0, decay="step")  # type: ignore[arg-type]
+
+
+def test_lr_factor_defaults_and_edges():
+    # defaults: power 2, min_ratio 0 -> (1 - t)^2 for poly; t = 1/4 here
+    assert lr_factor(3, total_steps=6, warmup_steps=2, decay="poly") == pytest.approx(0.75**2, abs=1e-15)
+    assert lr_factor(3, total_steps=6, warmup_steps=2, decay="cosine") == pytest.approx(
+        0.5 * (1 + math.cos(math.pi / 4)), abs=1e-15
+    )
+    # a decay of one step reaches min_ratio at its end, and stays there after total_steps
+    assert lr_factor(4, total_steps=4, warmup_steps=3, decay="poly", min_ratio=0.2) == pytest.approx(0.2, abs=1e-15)
+    assert lr_factor(9, total_steps=4, warmup_steps=3, decay="cosine", min_ratio=0.2) == pytest.approx(0.2, abs=1e-15)
+    # warmup as long as the run: never divides by zero, the last warmup step is the peak
+    assert lr_factor(4, total_steps=5, warmup_steps=5, decay="cosine") == 1.0
+    assert lr_factor(5, total_steps=5, warmup_steps=5, decay="cosine") == 1.0
+    assert lr_factor(6, total_steps=5, warmup_steps=5, decay="cosine") == pytest.approx(0.0, abs=1e-15)
+    # no warmup: the first step is already the peak
+    assert lr_factor(0, total_steps=5, warmup_steps=0, decay="poly") == 1.0
+
+
+def test_plan_fields_and_rounding():
+    params = tiny_params(
+        batch_size=10, accum_steps=1, lr=0.3, reference_batch=40, lr_scaling="linear", epochs=2, warmup_epochs=0.25
+    )
+    plan = make_plan(params, num_samples=100, world_size=2)  # 20 per step, 5 steps an epoch
+    assert plan.as_dict() == {
+        "world_size": 2,
+        "batch_size": 10,
+        "accum_steps": 1,
+        "effective_batch": 20,
+        "lr": pytest.approx(0.15, abs=1e-15),
+        "epochs": 2,
+        "steps_per_epoch": 5,
+        "total_steps": 10,
+        "warmup_steps": 1,  # round(1.25)
+    }
+    assert warmup_steps(0.3, 5) == 2 and warmup_steps(0.0, 5) == 0
+    assert steps_per_epoch(20, 20) == 1 and steps_per_epoch(19, 20) == 0
+    with pytest.raises(FacepipeError, match=r"^19 training samples do not fill one optimizer step of 20 \(train.batch_size 10 x 2 processes x train.accum_steps 1\)$"):
+        make_plan(params, num_samples=19, world_size=2)
