@@ -138,3 +138,59 @@ def test_verification_metrics_on_separable_scores() -> None:
     assert result.tar_at_far[1e-4] is None  # 1000 negatives
     assert (result.num_positive, result.num_negative) == (1000, 1000)
     assert len(result.fold_accuracies) == 10
+
+
+# --- found by mutation testing (tests/README.md) ----------------------------------------------------
+
+
+def test_cosine_score_of_a_zero_embedding_is_zero_not_nan() -> None:
+    scores = cosine_scores(np.array([[0.0, 0.0], [1e-8, 0.0]]), np.array([[1.0, 0.0], [2e-8, 0.0]]))
+    np.testing.assert_allclose(scores, [0.0, 2e-4], rtol=1e-12)  # tiny norms: 2e-16 / max(2e-16, 1e-12)
+
+
+def test_fold_ids_with_exactly_one_pair_of_each_kind_per_fold() -> None:
+    same = np.array([True, False] * 3)
+    np.testing.assert_array_equal(fold_ids(same, 3), [0, 0, 1, 1, 2, 2])
+    with pytest.raises(ValueError, match=r"^4 folds need at least 4 pairs of each kind, have 3$"):
+        fold_ids(same, 4)
+
+
+def test_roc_needs_both_kinds() -> None:
+    for same in (np.ones(3, bool), np.zeros(3, bool)):
+        with pytest.raises(ValueError, match="^a ROC curve needs both same and different pairs$"):
+            roc_curve(np.array([0.1, 0.2, 0.3]), same)
+
+
+def test_thin_roc_of_three_points() -> None:
+    collinear = thin_roc(np.array([0.0, 0.5, 1.0]), np.array([0.0, 0.5, 1.0]), np.array([3.0, 2.0, 1.0]))
+    np.testing.assert_array_equal(collinear[2], [3.0, 1.0])
+    corner = thin_roc(np.array([0.0, 0.0, 1.0]), np.array([0.0, 1.0, 1.0]), np.array([3.0, 2.0, 1.0]))
+    np.testing.assert_array_equal(corner[2], [3.0, 2.0, 1.0])
+    two = thin_roc(np.array([0.0, 1.0]), np.array([0.0, 1.0]), np.array([2.0, 1.0]))
+    np.testing.assert_array_equal(two[2], [2.0, 1.0])
+
+
+def test_verification_metrics_by_hand_with_defaults() -> None:
+    # the two-fold case of test_kfold_accuracy_by_hand, repeated 5 times over -> 10 folds by default
+    scores = np.tile([0.9, 0.8, 0.1, 0.2, 0.9, 0.3, 0.2, 0.7], 5)
+    same = np.tile([True, True, False, False, True, True, False, False], 5)
+    result = verification_metrics(scores, same)
+    assert len(result.fold_accuracies) == 10
+    assert result.accuracy_mean == pytest.approx(np.mean(result.fold_accuracies), abs=1e-15)
+    assert result.accuracy_std == pytest.approx(np.std(result.fold_accuracies), abs=1e-15)  # population std
+    assert sorted(result.tar_at_far) == [1e-4, 1e-3] and all(v is None for v in result.tar_at_far.values())
+    # over all 40 pairs: scores 0.1 d, 0.2 dd, 0.3 s, 0.7 d, 0.8 s, 0.9 ss (x5); best split at 0.25: 35/40
+    assert (result.best_threshold, result.best_accuracy) == pytest.approx((0.25, 35 / 40))
+    assert (result.num_positive, result.num_negative) == (20, 20)
+    # AUC by the pairwise definition: P(score of a same pair > a different one), ties count one half
+    positives, negatives = scores[same], scores[~same]
+    expected_auc = (positives[:, None] > negatives).mean() + 0.5 * (positives[:, None] == negatives).mean()
+    assert result.auc == pytest.approx(expected_auc, abs=1e-12)
+    np.testing.assert_array_equal(result.roc_thresholds, [np.inf, 0.9, 0.8, 0.7, 0.3, 0.2, 0.1])
+
+
+def test_kfold_accuracy_uses_ten_folds_by_default() -> None:
+    same = np.tile([True, False], 10)
+    scores = np.linspace(0, 1, 20)
+    accuracies, thresholds = kfold_accuracy(scores, same)
+    assert len(accuracies) == len(thresholds) == 10
