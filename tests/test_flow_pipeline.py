@@ -34,6 +34,11 @@ def make_project(root: Path, *, failing: bool = False) -> Path:
             "deps": ["out/count.json"],
             "metrics": [{"metrics.json": {"cache": False}}],
         },
+        "summary": {
+            "cmd": "python -c \"import shutil; shutil.copy('metrics.json', 'summary.json')\"",
+            "deps": ["metrics.json"],
+            "outs": [{"summary.json": {"cache": False}}],
+        },
     }
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     return root
@@ -59,7 +64,7 @@ def test_pipeline_runs_through_dvc_and_publishes_metrics(harness, tmp_path):
 
     root = make_project(tmp_path / "proj")
     result = pipeline_flow(project=str(root))
-    assert result["raw_changed"] is True and result["stages"] == ["count", "report"]
+    assert result["raw_changed"] is True and result["stages"] == ["count", "report", "summary"]
     assert result["up_to_date"] and dvc_status_clean(root)
     assert {"file": "metrics.json", "metric": "files", "value": 1} in result["metrics"]
     with get_client(sync_client=True) as client:
@@ -78,15 +83,29 @@ def test_pipeline_runs_through_dvc_and_publishes_metrics(harness, tmp_path):
     assert dvc_status_clean(root)
 
 
-def test_a_failing_stage_fails_the_flow_and_is_named(harness, tmp_path):
-    from flows.pipeline import pipeline_flow
+def test_a_failing_middle_stage_fails_the_flow_named_and_stops_the_later_ones(harness, tmp_path, capsys):
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.pipeline import main, pipeline_flow
 
     root = make_project(tmp_path / "proj", failing=True)
     state = pipeline_flow(project=str(root), return_state=True)
     assert state.is_failed()
     with pytest.raises(Exception, match="stage 'report' failed"):
         state.result()
-    assert (root / "out" / "count.json").exists()  # the stages before it ran
+    assert (root / "out" / "count.json").exists()  # the stage before it ran
+    assert not (root / "summary.json").exists()  # the stage after it did not
+    this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        names = {run.name for run in client.read_task_runs(flow_run_filter=this_run)}
+    assert any(name.startswith("dvc-repro-report") for name in names)
+    assert not any(name.startswith("dvc-repro-summary") for name in names)
+
+    # the command line says so too: a non-zero exit and the stage named on stderr
+    assert main(["--project", str(root)]) != 0
+    assert "stage 'report' failed" in capsys.readouterr().err
+    assert not (root / "summary.json").exists()
 
 
 def test_missing_raw_data_is_named(harness, tmp_path):
