@@ -9,7 +9,9 @@
    against a bare forward/backward/step on in-memory tensors of the same shape (target >= 0.9x),
    for mobilefacenet and iresnet50 (and, on CUDA, iresnet50 at bf16 with batch 256);
 4. read order on a cold page cache: shuffled shards + shuffle buffer against a global random order
-   (raw record reads only, page cache of the shard files dropped before each pass).
+   (raw record reads only, page cache of the shard files dropped before each pass);
+5. record checksums: the CRC-32 check of every read against the JPEG decode of the same records
+   (target < 3% of the decode time), and the loader of row 1 with the check against without it.
 
 Every figure is the median of ``--repeats`` runs; the two sides of a comparison run alternately.
 """
@@ -37,7 +39,8 @@ from facepipe.config import TrainParams
 from facepipe.data.augment import Augmenter, to_tensor, to_uint8_tensor
 from facepipe.data.dataset import FaceDataset, make_loader
 from facepipe.data.sampler import ShardOrderSampler
-from facepipe.io.records import decode_image, decode_record
+from facepipe.io.records import decode_image, decode_record, payload_offset
+from facepipe.io.shards import ShardReader
 from facepipe.io.synthetic import write_synthetic_shard_set
 from facepipe.stages.train import build_model
 from facepipe.training.distributed import Distributed
@@ -223,6 +226,45 @@ def read_rate(dataset: FaceDataset, order: Callable[[int], np.ndarray]) -> Calla
     return measure
 
 
+# -- 5: record checksums ----------------------------------------------------------------------------
+
+
+def per_record_us(raws: list[bytes], work: Callable[[bytes], object], repeats: int) -> float:
+    """Median microseconds per record of ``work`` over ``raws``."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for raw in raws:
+            work(raw)
+        times.append((time.perf_counter() - start) / len(raws) * 1e6)
+    return statistics.median(times)
+
+
+def checksum_costs(dataset: FaceDataset, repeats: int) -> dict[str, float]:
+    """µs per record: prefix check with and without the CRC-32, and the JPEG decode."""
+    raws = [dataset.read(item) for item in range(len(dataset))]
+    return {
+        "crc": per_record_us(raws, payload_offset, repeats),
+        "prefix": per_record_us(raws, lambda raw: payload_offset(raw, verify=False), repeats),
+        "decode": per_record_us(raws, lambda raw: decode_image(memoryview(raw)[payload_offset(raw, verify=False) :]), repeats),
+    }
+
+
+def unchecked_loader_rate(dataset: FaceDataset, *, batch: int, epochs: int) -> Callable[[], float]:
+    """Row 1's loader with the readers' checksum check switched off for the measurement only."""
+    measure = loader_rate(dataset, batch=batch, workers=0, epochs=epochs)
+
+    def unchecked() -> float:
+        checked = ShardReader.checked
+        ShardReader.checked = lambda self, raw, index: raw  # type: ignore[method-assign]
+        try:
+            return measure()
+        finally:
+            ShardReader.checked = checked  # type: ignore[method-assign]
+
+    return unchecked
+
+
 # -- driver -------------------------------------------------------------------------------------------
 
 
@@ -243,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples, steps and repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    parser.add_argument("--only", default="loader,scaling,train,read", help="comma-separated parts to run")
+    parser.add_argument("--only", default="loader,scaling,train,read,crc", help="comma-separated parts to run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the training part")
     args = parser.parse_args(argv)
     if args.threads:
@@ -325,6 +367,23 @@ def main(argv: list[str] | None = None) -> int:
 
             a, b = median_pair(read_rate(dataset, shard_order), read_rate(dataset, random_order), repeats)
             report("4. cold-cache reads: shard+buffer vs random", a, b, "records/s", 1.0)
+        if "crc" in parts:
+            torch.set_num_threads(1)
+            costs = checksum_costs(dataset, repeats)
+            share = (costs["crc"] - costs["prefix"]) / costs["decode"]
+            results["rows"].append({"name": "5. CRC-32 check / JPEG decode", **costs, "ratio": share, "target": 0.03})
+            print(
+                f"{'5. CRC-32 check per record vs JPEG decode':<48} {costs['crc'] - costs['prefix']:9.2f} vs "
+                f"{costs['decode']:9.1f} us/record  {100 * share:5.2f}% (target < 3%) "
+                f"{'ok' if share < 0.03 else 'ABOVE TARGET'}",
+                flush=True,
+            )
+            a, b = median_pair(
+                loader_rate(dataset, batch=64, workers=0, epochs=epochs),
+                unchecked_loader_rate(dataset, batch=64, epochs=epochs),
+                repeats,
+            )
+            report("5. DataLoader(num_workers=0) checked vs unchecked", a, b, "images/s", 0.97)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"machine: {results['machine']}")
