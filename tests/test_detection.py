@@ -79,10 +79,14 @@ def test_no_face_and_tiny_images(detector):
     assert detector.detect([]) == []
 
 
-def test_large_photos_are_downscaled_and_mapped_back(detector):
+def test_large_photos_are_downscaled_and_mapped_back(detector, monkeypatch):
     """A photo larger than ``detect_size`` is detected at reduced size; boxes come back in its own pixels."""
     a = photos()["astronaut"]
     big = cv2.resize(a, (a.shape[1] * 3, a.shape[0] * 3), interpolation=cv2.INTER_CUBIC)
     small_face = max(detector.detect([a])[0], key=lambda f: f.area)
+    seen = []
+    resize = detector._resize
+    monkeypatch.setattr(detector, "_resize", lambda image: seen.append(resize(image)[0].shape) or resize(image))
     big_face = max(detector.detect([big])[0], key=lambda f: f.area)
+    assert [max(shape[:2]) for shape in seen] == [detector.detect_size]  # the network saw the reduced photo
     np.testing.assert_allclose(big_face.landmarks / 3, small_face.landmarks, atol=2.0)
