@@ -230,8 +230,15 @@ class PipelineParams(Section):
     @field_validator("cron")
     @classmethod
     def _cron(cls, value: str) -> str:
-        if len(value.split()) not in (5, 6):
-            raise ValueError(f"not a cron expression: {value!r}")
+        # Prefect runs the schedule, so the check is the one its deployment applies (croniter: field
+        # ranges, steps, names, macros; no random or hashed fields), at load time instead of at serve.
+        # Imported here: only this section pays for importing Prefect, and only when a cron is given.
+        from prefect.client.schemas.schedules import CronSchedule
+
+        try:
+            CronSchedule(cron=value)
+        except ValidationError:
+            raise ValueError(f"not a cron expression: {value!r}") from None
         return value
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import facepipe  # noqa: F401
 from facepipe.config import DEFAULT_PARAMS, load_section
+from facepipe.errors import FacepipeError
 
 from flows.pipeline import pipeline_flow
 
@@ -27,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="reprocess", help="deployment name")
     args = parser.parse_args(argv)
     project = Path(args.project).resolve()
-    params = load_section(project / (args.params or DEFAULT_PARAMS), "pipeline", missing_ok=args.params is None)
+    try:
+        params = load_section(project / (args.params or DEFAULT_PARAMS), "pipeline", missing_ok=args.params is None)
+    except FacepipeError as error:
+        # Before serving: serve() blocks, and a schedule Prefect refuses would only surface as its traceback.
+        print(f"flows.deploy: error: {error}", file=sys.stderr)
+        return 2
     pipeline_flow.serve(
         name=args.name,
         cron=params.cron,
