@@ -51,6 +51,11 @@ class PrepareParams(Section):
     max_pixels: int = Field(40_000_000, ge=1, description="images above this many pixels are rejected")
     chunk_size: int = Field(16, ge=1, description="images per unit of parallel work (one detector batch)")
     samples_per_shard: int = Field(10_000, ge=1)
+    follow_symlinks: bool = Field(
+        False,
+        description="follow symbolic links that lead outside the raw folder; off: they are rejected as"
+        " outside_raw_root (links inside it are always followed)",
+    )
 
     @model_validator(mode="after")
     def _weights_need_retinaface(self) -> PrepareParams:

@@ -81,3 +81,23 @@ def jpeg_bytes(image: np.ndarray, **kw) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="JPEG", **kw)
     return buffer.getvalue()
+
+
+class StandInDetector:
+    """Finds one centred face in every image, and records the images of each call: for tests of
+    everything around detection (accounting, batching, memory) that need no real detector."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, ...]]] = []
+
+    def detect(self, images: list[np.ndarray]) -> list[list]:
+        from facepipe.alignment import template
+        from facepipe.detection import Face
+
+        self.calls.append([image.shape for image in images])
+        faces = []
+        for image in images:
+            side = min(image.shape[:2])
+            points = template(112) * (side / 112.0)
+            faces.append([Face(box=np.array([0.0, 0.0, side, side]), score=0.99, landmarks=points)])
+        return faces

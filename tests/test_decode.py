@@ -1,11 +1,16 @@
 import io
+import re
+import tracemalloc
 
 import numpy as np
 import pytest
 from PIL import Image
 
+import facepipe.data.extract as extract
+from facepipe.config import PrepareParams
 from facepipe.data.decode import Reject, load_image
-from rawdata import astronaut, jpeg_bytes
+from facepipe.data.extract import process_chunk
+from rawdata import StandInDetector, astronaut, jpeg_bytes, variant
 
 FACE = astronaut()[:200, 100:300]
 
@@ -60,3 +65,65 @@ def test_rejects_carry_reasons():
             load_image(data, max_pixels=1_000_000)
         assert info.value.reason == reason, (reason, info.value)
         assert " at 0x" not in info.value.detail  # no object addresses: rejects.jsonl must be deterministic
+
+
+def _claim_more_rows(data: bytes, extra: int) -> bytes:
+    """The same JPEG with its frame header (SOF0 or SOF2) claiming ``extra`` rows its data does not hold."""
+    data = bytearray(data)
+    at = max(data.find(b"\xff\xc0"), data.find(b"\xff\xc2"))
+    height = int.from_bytes(data[at + 5 : at + 7], "big")
+    data[at + 5 : at + 7] = (height + extra).to_bytes(2, "big")
+    return bytes(data)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("extra", [32, 200])
+def test_jpeg_whose_header_claims_rows_its_data_lacks_is_unreadable(progressive, extra):
+    # libjpeg fills the missing rows with flat grey and Pillow reports nothing: the face above them
+    # would be detected on a half-grey picture, or rejected as no_face
+    data = _claim_more_rows(jpeg_bytes(FACE, quality=90, progressive=progressive), extra)
+    with pytest.raises(Reject) as info:
+        load_image(data, max_pixels=10**7)
+    assert info.value.reason == "unreadable"
+    # the fill starts within an MCU row (16 px) of the real data's end: the last real bits decode to a few blocks
+    match = re.fullmatch(r"the last (\d+) of (\d+) rows are decoder fill: the data ends before the image does", info.value.detail)
+    assert match and int(match[2]) == FACE.shape[0] + extra and extra - 32 <= int(match[1]) <= extra, info.value.detail
+
+
+@pytest.mark.parametrize("fill", [0, 127, 255])
+def test_flat_bottom_rows_of_a_complete_jpeg_are_not_mistaken_for_missing_data(fill):
+    image = FACE.copy()
+    image[-40:] = fill  # letterboxed: a flat band, but not libjpeg's exact fill
+    out = load_image(jpeg_bytes(image, quality=95), max_pixels=10**7)
+    assert out.shape == FACE.shape
+
+
+def test_a_chunk_holds_a_bounded_number_of_decoded_pixels(tmp_path, monkeypatch):
+    """Six 3.8 MP photos in one chunk, a budget of 8 MP: the worker decodes, detects and aligns them
+    two at a time, and its peak of traced memory (numpy arrays, bytes) stays near two photos' worth.
+    Before the budget, the whole chunk was decoded first (6 x 11.5 MB of pixels held at once)."""
+    photo = np.asarray(Image.fromarray(astronaut()).resize((2400, 1600)))
+    paths = []
+    for index in range(6):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        (tmp_path / "a" / f"{index}.jpg").write_bytes(jpeg_bytes(variant(photo, angle=index), quality=80))
+        paths.append(f"a/{index}.jpg")
+    detector = StandInDetector()
+    monkeypatch.setattr(extract, "get_detector", lambda *a, **k: detector)
+    monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 8_000_000, raising=False)
+    params = PrepareParams(max_pixels=10**7)
+    tracemalloc.start()
+    try:
+        bounded = process_chunk(paths, str(tmp_path), params, "cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [len(call) for call in detector.calls] == [2, 2, 2]
+    photo_bytes = photo.nbytes  # 11.5 MB
+    assert peak < 3.5 * photo_bytes, f"peak {peak / 1e6:.0f} MB"
+    # the budget changes how a chunk is batched, not what comes out of it here
+    monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 10**9)
+    whole = process_chunk(paths, str(tmp_path), params, "cpu")
+    assert len(detector.calls) == 4 and len(detector.calls[-1]) == 6
+    assert [o.header for o in bounded] == [o.header for o in whole] and all(o.accepted for o in whole)
+    assert [o.payload for o in bounded] == [o.payload for o in whole]

@@ -38,7 +38,61 @@ def _to_rgb(pil: Image.Image) -> np.ndarray:
         rgba = pil.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (128, 128, 128, 255))
         return np.asarray(Image.alpha_composite(background, rgba).convert("RGB"))
-    return np.asarray(pil.convert("RGB"))
+    # Pillow's RGB already is what we return: converting would copy 4 bytes a pixel for nothing.
+    return _pixels(pil if pil.mode == "RGB" else pil.convert("RGB"))
+
+
+_BAND_PIXELS = 1 << 20
+
+
+def _pixels(pil: Image.Image) -> np.ndarray:
+    """``np.asarray(pil)`` in row bands of about 1 MP: Pillow's ``tobytes`` would hold the whole image
+    twice more (its chunks, then their join) besides its own 4-byte-a-pixel buffer."""
+    if pil.width * pil.height <= _BAND_PIXELS:
+        return np.asarray(pil)
+    step = max(1, _BAND_PIXELS // pil.width)
+    first = np.asarray(pil.crop((0, 0, pil.width, min(step, pil.height))))
+    out = np.empty((pil.height, *first.shape[1:]), first.dtype)
+    out[:step] = first
+    for top in range(step, pil.height, step):
+        out[top : top + step] = np.asarray(pil.crop((0, top, pil.width, min(top + step, pil.height))))
+    return out
+
+
+#: libjpeg's fill for image data the file does not hold: every missing block decodes to this grey.
+_JPEG_FILL = 128
+_FILL_ROWS = 4
+
+
+def _check_complete_jpeg(pil: Image.Image) -> None:
+    """Raise Reject("unreadable") when a JPEG's data ended before its last rows (header lies, or a file
+    cut and closed with an end marker): libjpeg fills them with exact mid-grey and reports nothing.
+
+    Looks at the stored (pre-EXIF) bottom rows: all of the last 4 exactly 128 in every channel (the
+    first filled rows are not exact: chroma upsampling and the data's last bits blur the edge). A
+    complete photo whose bottom 4 rows are exactly that grey would be rejected too; JPEG noise makes
+    that rare outside synthetic images.
+    """
+    if pil.format != "JPEG" or pil.mode not in ("L", "RGB") or pil.height < _FILL_ROWS:
+        return
+    bottom = np.asarray(pil.crop((0, pil.height - _FILL_ROWS, pil.width, pil.height)))
+    if not (bottom == _JPEG_FILL).all():
+        return
+    filled = (np.asarray(pil).reshape(pil.height, -1) == _JPEG_FILL).all(axis=1)[::-1]
+    count = int(np.argmin(filled)) if not filled.all() else pil.height
+    raise Reject("unreadable", f"the last {count} of {pil.height} rows are decoder fill: the data ends before the image does")
+
+
+def header_pixels(data: bytes) -> int:
+    """Width x height from the image header alone, without decoding; 0 when the header does not
+    parse (:func:`load_image` then says why)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(data)) as pil:
+                return pil.width * pil.height
+    except Exception:  # noqa: BLE001 - any failure is load_image's to report
+        return 0
 
 
 def load_image(data: bytes, *, max_pixels: int) -> np.ndarray:
@@ -67,7 +121,11 @@ def load_image(data: bytes, *, max_pixels: int) -> np.ndarray:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 pil.load()
-                pil = ImageOps.exif_transpose(pil)
+                _check_complete_jpeg(pil)
+                # in place: a transposed copy would hold a second full-size image (decode memory)
+                ImageOps.exif_transpose(pil, in_place=True)
                 return _to_rgb(pil)
+        except Reject:
+            raise
         except Exception as error:  # noqa: BLE001
             raise Reject("unreadable", f"{type(error).__name__}: {error}") from None

@@ -2,23 +2,33 @@
 
 Runs inside Dask worker processes. It returns encoded records (JPEG bytes plus a JSON-able header),
 never decoded arrays, so results are small to ship back to the single writer.
+
+Memory: a worker holds at most :data:`DECODE_BUDGET_PIXELS` decoded pixels of a chunk at once (or
+one image, when that alone is more): once the next image would exceed it, the images held so far
+are detected, aligned and encoded, and dropped. Each pixel held costs 3 bytes; decoding one image
+costs about 7 bytes a pixel more while it lasts (Pillow's 4-byte buffer and the array taken from it).
+Chunks of ordinary photos (16 x 2 MP) stay one detector batch, as before.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from facepipe.alignment import align_face
 from facepipe.config import PrepareParams
-from facepipe.data.decode import Reject, load_image
+from facepipe.data.decode import Reject, header_pixels, load_image
+from facepipe.data.scan import ScanItem, read_raw_file
 from facepipe.detection import Detector, Face, create_detector, select_face
 from facepipe.io.records import encode_image
+
+#: Decoded pixels a worker holds at once (2 x 16 MP photos; 96 MB as uint8 RGB). Read at call time.
+DECODE_BUDGET_PIXELS = 32_000_000
 
 
 @dataclass(frozen=True)
@@ -89,33 +99,72 @@ def _accept(path: str, sha: str, image: np.ndarray, face: Face, params: PrepareP
 
 
 def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device: str = "auto") -> list[Outcome]:
-    """Read, hash, decode, detect, gate, align and encode every file of ``paths`` (relative to ``raw_root``).
-
-    Returns one :class:`Outcome` per path, in the order given. Every per-image problem is a reject.
+    """Read, hash, decode, detect, gate, align and encode every file of ``paths`` (scan paths, relative
+    to ``raw_root``). Returns one :class:`Outcome` per path, in the order given. Every per-image
+    problem is a reject. Decoded images are batched under :data:`DECODE_BUDGET_PIXELS`.
     """
     outcomes: dict[int, Outcome] = {}
-    decoded: list[tuple[int, str, np.ndarray]] = []
+    batch: list[tuple[int, str, np.ndarray]] = []
+    held = 0
     for index, path in enumerate(paths):
-        if "/" not in path:
-            outcomes[index] = Outcome(path, None, reason="outside_identity_folder", detail="file is not inside an identity folder")
+        read = _read(path, raw_root)
+        if isinstance(read, Outcome):
+            outcomes[index] = read
             continue
-        try:
-            data = (Path(raw_root) / path).read_bytes()
-        except OSError as error:
-            outcomes[index] = Outcome(path, None, reason="io_error", detail=f"{type(error).__name__}: {error.strerror}")
+        # flush before decoding: the image being decoded counts against the budget too
+        pixels = header_pixels(read[1])
+        if batch and held + pixels > DECODE_BUDGET_PIXELS:
+            outcomes.update(_detect_and_align(batch, paths, params, device))
+            batch, held = [], 0
+        decoded = _decode(path, *read, params)
+        if isinstance(decoded, Outcome):
+            outcomes[index] = decoded
             continue
-        sha = hashlib.sha256(data).hexdigest()
-        try:
-            image = load_image(data, max_pixels=params.max_pixels)
-            if min(image.shape[:2]) < params.min_face_size:
-                raise Reject("image_too_small", f"{image.shape[1]}x{image.shape[0]} cannot hold a {params.min_face_size}px face")
-        except Reject as reject:
-            outcomes[index] = Outcome(path, sha, reason=reject.reason, detail=reject.detail)
-            continue
-        decoded.append((index, sha, image))
+        batch.append((index, read[0], decoded))
+        held += pixels
+    if batch:
+        outcomes.update(_detect_and_align(batch, paths, params, device))
+    return [outcomes[index] for index in range(len(paths))]
 
+
+def with_scan_rejects(chunk: Sequence[ScanItem], processed: Sequence[Outcome]) -> list[Outcome]:
+    """Outcomes of a chunk of scan items, in scan order: the scan's own rejects (never sent to a
+    worker), and ``processed``, what :func:`process_chunk` made of the others, in order."""
+    done = iter(processed)
+    outcomes = [Outcome(i.path, None, reason=i.reason, detail=i.detail) if i.reason else next(done) for i in chunk]
+    if next(done, None) is not None:
+        raise RuntimeError("a worker returned more outcomes than it was given paths")
+    return outcomes
+
+
+def _read(path: str, raw_root: str) -> Outcome | tuple[str, bytes]:
+    """``(sha256, bytes)`` of one file, or its reject."""
+    if "/" not in path:
+        return Outcome(path, None, reason="outside_identity_folder", detail="file is not inside an identity folder")
+    try:
+        data = read_raw_file(raw_root, path)
+    except OSError as error:
+        return Outcome(path, None, reason="io_error", detail=f"{type(error).__name__}: {error.strerror}")
+    return hashlib.sha256(data).hexdigest(), data
+
+
+def _decode(path: str, sha: str, data: bytes, params: PrepareParams) -> Outcome | np.ndarray:
+    """The [H, W, 3] uint8 image of one file's bytes, or its reject."""
+    try:
+        image = load_image(data, max_pixels=params.max_pixels)
+        if min(image.shape[:2]) < params.min_face_size:
+            raise Reject("image_too_small", f"{image.shape[1]}x{image.shape[0]} cannot hold a {params.min_face_size}px face")
+    except Reject as reject:
+        return Outcome(path, sha, reason=reject.reason, detail=reject.detail)
+    return image
+
+
+def _detect_and_align(
+    batch: list[tuple[int, str, np.ndarray]], paths: list[str], params: PrepareParams, device: str
+) -> dict[int, Outcome]:
+    """Outcomes of decoded images (one detector batch), by their index in ``paths``."""
     detector = get_detector(params.detector, params.detector_weights, params.min_face_size, params.detect_size, device)
-    images = [image for _, _, image in decoded]
+    images = [image for _, _, image in batch]
     try:
         detections = detector.detect(images)
     except Exception:  # noqa: BLE001 - isolate the image that breaks the batch
@@ -125,7 +174,8 @@ def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device
                 detections.append(detector.detect([image])[0])
             except Exception as error:  # noqa: BLE001
                 detections.append(error)
-    for (index, sha, image), faces in zip(decoded, detections):
+    outcomes = {}
+    for (index, sha, image), faces in zip(batch, detections):
         path = paths[index]
         if isinstance(faces, Exception):
             outcomes[index] = Outcome(path, sha, reason="detector_error", detail=f"{type(faces).__name__}: {faces}")
@@ -136,4 +186,4 @@ def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device
             outcomes[index] = Outcome(path, sha, reason=reject.reason, detail=reject.detail)
             continue
         outcomes[index] = _accept(path, sha, image, face, params)
-    return [outcomes[index] for index in range(len(paths))]
+    return outcomes

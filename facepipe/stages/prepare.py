@@ -19,7 +19,7 @@ from typing import Any
 
 from facepipe.alignment import template
 from facepipe.config import PrepareParams, load_section
-from facepipe.data.extract import Outcome, process_chunk, warm_up
+from facepipe.data.extract import Outcome, process_chunk, warm_up, with_scan_rejects
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
@@ -49,10 +49,10 @@ def check_paths(raw: str | Path, out: str | Path) -> None:
     check_output(out, kind=SHARD_SET, sources={"raw folder": raw})
 
 
-def check_inputs(raw: Path, out: Path) -> list[ScanItem]:
+def check_inputs(raw: Path, out: Path, *, follow_symlinks: bool = False) -> list[ScanItem]:
     """Validate RAW and OUT before any work; returns the scan. Raises FacepipeError."""
     check_paths(raw, out)
-    items = scan_raw(raw)
+    items = scan_raw(raw, follow_symlinks=follow_symlinks)
     if not any(looks_like_image(item.path) for item in items):
         raise FacepipeError(f"no images found under {raw}")
     return items
@@ -162,10 +162,11 @@ def run(
     """
     raw, out = Path(raw), Path(out)
     started = time.perf_counter()
-    items = check_inputs(raw, out)
+    items = check_inputs(raw, out, follow_symlinks=params.follow_symlinks)
     scan_s = time.perf_counter() - started
     paths = [item.path for item in items]
-    chunks = [paths[i : i + params.chunk_size] for i in range(0, len(paths), params.chunk_size)]
+    # chunks of scan items; the scan's own rejects (loops, links out of RAW, ...) never go to a worker
+    chunks = [items[i : i + params.chunk_size] for i in range(0, len(items), params.chunk_size)]
     log.info("prepare: %d files in %d chunks from %s", len(paths), len(chunks), raw)
     with atomic_output_dir(out, kind=SHARD_SET) as tmp:
         builder = SetBuilder(tmp, params)
@@ -178,7 +179,12 @@ def run(
             with runner as (submit_chunk, n_workers), Progress(len(paths), desc="prepare", enabled=progress) as bar:
                 process_started = time.perf_counter()
                 startup_s = process_started - startup_started
-                for outcomes in ordered_results(submit_chunk, chunks, window=2 * n_workers + 1):
+
+                def to_read(chunk: list[ScanItem]) -> FutureLike:
+                    return submit_chunk([item.path for item in chunk if item.reason is None])
+
+                for chunk, processed in zip(chunks, ordered_results(to_read, chunks, window=2 * n_workers + 1)):
+                    outcomes = with_scan_rejects(chunk, processed)
                     for outcome in outcomes:
                         builder.add(outcome)
                     bar.update(len(outcomes))
