@@ -194,14 +194,20 @@ def test_dataset_items(shard_set):
 
 
 def test_identity_restriction_remaps_labels_without_reading_images(shard_set, tmp_path, monkeypatch):
-    def no_image_reads(self, index):  # the label indexes alone must decide
+    def no_image_reads(*args, **kwargs):  # the label indexes alone must decide
         raise AssertionError("read image bytes")
 
-    monkeypatch.setattr(ShardReader, "get", no_image_reads)
+    # Every way a record leaves a shard: one record, a batch in one transaction, and iteration.
+    for method in ("get", "get_many", "__iter__"):
+        monkeypatch.setattr(ShardReader, method, no_image_reads)
     by_names = FaceDataset(shard_set, identities=["id0004", "id0001"])
     path = tmp_path / "train_identities.json"
     path.write_text(json.dumps(["id0001", "id0004"]))
     by_file = FaceDataset(shard_set, identities=path)
+    reader = by_names.shards.readers[0]
+    for read in (lambda: reader.get(0), lambda: reader.get_many([0]), lambda: next(iter(reader))):
+        with pytest.raises(AssertionError, match="read image bytes"):  # the guard is live on each path
+            read()
     monkeypatch.undo()
     for dataset in (by_names, by_file):
         assert dataset.class_names == ["id0001", "id0004"]  # labels.json order, whatever the list order
