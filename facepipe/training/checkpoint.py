@@ -57,7 +57,8 @@ def _feed(digest: Any, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         flat = value.detach().cpu().contiguous().reshape(-1)
         digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+        if flat.numel():
+            digest.update(flat.view(torch.uint8).numpy())  # the tensor's own buffer: no copy
     elif isinstance(value, dict):
         digest.update(f"D{len(value)}".encode())
         for key in sorted(value, key=lambda k: (type(k).__name__, repr(k))):
