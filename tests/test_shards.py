@@ -263,3 +263,13 @@ def test_train_skips_corrupt_records_when_asked_and_reports_the_count(tmp_path):
     params = tiny_params(epochs=2, batch_size=4, reference_batch=4, skip_corrupt_records=True)
     report = train.run(params, root, tmp_path / "out", model_factory=linear_model)
     assert report.steps == 6 and report.skipped_records == 2  # 12 samples in 3 batches: read once an epoch
+
+
+def test_the_manifest_records_sizes_and_small_file_hashes_deterministically(tmp_path):
+    a, b = small_set(tmp_path / "a"), small_set(tmp_path / "b")
+    assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
+    manifest = json.loads((a / "manifest.json").read_text())
+    assert manifest["version"] == 2 and manifest["files"] == {
+        name: hashlib.sha256((a / name).read_bytes()).hexdigest() for name in ("labels.json", "rejects.jsonl")
+    }
+    assert [s["bytes"] for s in manifest["shards"]] == [shard_file(a, i).stat().st_size for i in range(3)]
