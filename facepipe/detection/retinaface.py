@@ -3,7 +3,12 @@
 - Weights: by default the MobileNet-0.25 ONNX model that ``facepipe weights fetch retinaface`` put in
   the cache, mapped onto facepipe's PyTorch network (:mod:`facepipe.detection.retinaface_net`); or a
   path: biubug6's ``.pth`` checkpoints (either variant) or an ``.onnx`` file of the same model.
-- Images are downscaled so the longest side is at most ``detect_size``, then padded on the right and
+- Runtime: on the CPU the network runs in onnxruntime (2-3x faster than PyTorch's CPU kernels for this
+  depthwise network; a ``.pth`` is exported to ONNX in memory first), on CUDA in PyTorch. Both give the
+  same outputs within 1e-4 (tests); ``runtime="torch"`` forces the PyTorch reference on the CPU.
+- Images are downscaled so the longest side is at most ``detect_size`` and, when ``min_face_size`` is
+  given, so that a face of ``min_face_size`` original pixels is seen at :data:`MIN_FACE_INPUT` px (the
+  network is trained on faces from 16 px up; smaller faces are rejected by prepare anyway), then padded on the right and
   bottom to a multiple of 32 px (the network's largest stride) with the mean colour, which is 0 after
   normalisation. Images of the same padded size run as one batch. An image alone is padded the same
   way, so a batch gives what one image at a time gives.
@@ -19,8 +24,10 @@ which is MTCNN's order and the ArcFace template's.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import os
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,6 +45,10 @@ _BUCKET = 32
 _STRIDES = (8, 16, 32)
 _ANCHORS = ((16, 32), (64, 128), (256, 512))
 _VARIANCE = (0.1, 0.2)
+#: Pixels at which a face of ``min_face_size`` is seen by the network. The eyes agree with MTCNN's
+#: within 8% of the face size for faces seen at >= 24 px (tests); on photos of 250-700 px with
+#: ``min_face_size`` 40 this shrinks the input ~2.8x in pixels, and the forward pass with it.
+MIN_FACE_INPUT = 24
 
 
 def load_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os.PathLike[str] | None = None) -> RetinaFace:
@@ -53,6 +64,58 @@ def load_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os
         check_model(data, KNOWN["retinaface"], source=path)
         return load_onnx(data)
     return load_checkpoint(path)
+
+
+def onnx_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os.PathLike[str] | None = None) -> bytes:
+    """The network as checked ONNX bytes: the cached or given ``.onnx`` model as it is, a ``.pth``
+    checkpoint loaded (:func:`load_model`) and exported with dynamic batch and image size."""
+    if weights is None:
+        return load_onnx_bytes("retinaface", cache=cache)
+    path = Path(weights)
+    if path.suffix == ".onnx" and path.is_file():
+        data = path.read_bytes()
+        check_model(data, KNOWN["retinaface"], source=path)
+        return data
+    model = load_model(path)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():  # the TorchScript exporter is deprecated, but needs no onnxscript
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, (torch.zeros(1, 3, 64, 64),), buffer, input_names=["input"], output_names=["loc", "conf", "landmarks"],
+            dynamic_axes={"input": {0: "batch", 2: "height", 3: "width"}}, opset_version=17, dynamo=False,
+        )  # fmt: skip
+    return buffer.getvalue()
+
+
+class OnnxRetinaFace:
+    """The network in an onnxruntime CPU session: [N, 3, H, W] float32 in, ``(loc, conf, landmarks)``
+    as :class:`RetinaFace` returns them out. Thread-safe (onnxruntime's ``run`` is)."""
+
+    def __init__(self, data: bytes, *, threads: int) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        # Parallelism comes from the prepare workers; a fixed thread count also keeps the numerics
+        # the same on every machine (the PyTorch path's torch.set_num_threads does the same).
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loc, conf, landmarks = self.session.run(None, {"input": x.contiguous().numpy()})
+        return torch.from_numpy(loc), torch.from_numpy(conf), torch.from_numpy(landmarks)
+
+
+def resolve_runtime(runtime: str, device: torch.device) -> str:
+    """``auto``: onnxruntime on the CPU, PyTorch on CUDA; ``torch`` or ``onnxruntime`` as asked (CPU only)."""
+    if runtime == "auto":
+        return "onnxruntime" if device.type == "cpu" else "torch"
+    if runtime not in ("torch", "onnxruntime"):
+        raise ValueError(f"unknown RetinaFace runtime {runtime!r}; known: auto, torch, onnxruntime")
+    if runtime == "onnxruntime" and device.type != "cpu":
+        raise ValueError(f"the onnxruntime path runs on the CPU, not {device}")
+    return runtime
 
 
 @functools.lru_cache(maxsize=16)
@@ -87,26 +150,34 @@ class RetinaFaceDetector:
         *,
         weights: str | os.PathLike[str] | None = None,
         detect_size: int = 640,
+        min_face_size: int | None = None,
         score_floor: float = 0.5,
         nms_threshold: float = 0.4,
         top_k: int = 5000,
         keep_top_k: int = 750,
         device: str = "auto",
+        runtime: str = "auto",
         cache: str | os.PathLike[str] | None = None,
     ) -> None:
         self.detect_size = detect_size
+        self.min_face_size = min_face_size
         self.score_floor = score_floor
         self.nms_threshold = nms_threshold
         self.top_k = top_k
         self.keep_top_k = keep_top_k
         self.device = resolve_device(device)
-        self.net = load_model(weights, cache=cache).to(self.device).to(memory_format=torch.channels_last)
+        self.runtime = resolve_runtime(runtime, self.device)
+        self.net: RetinaFace | OnnxRetinaFace
+        if self.runtime == "onnxruntime":
+            self.net = OnnxRetinaFace(onnx_model(weights, cache=cache), threads=torch.get_num_threads())
+        else:
+            self.net = load_model(weights, cache=cache).to(self.device).to(memory_format=torch.channels_last)
         self.mean = torch.tensor(BGR_MEAN, device=self.device).reshape(1, 3, 1, 1)
 
     def detect(self, images: list[np.ndarray]) -> list[list[Face]]:
         """Faces of each [H, W, 3] uint8 RGB image, in original coordinates, highest score first."""
         results: list[list[Face]] = [[] for _ in images]
-        prepared = [downscale(image, self.detect_size) for image in images]
+        prepared = [downscale(image, self.input_side(image.shape)) for image in images]
         buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
         for index, (small, _) in enumerate(prepared):
             h, w = small.shape[:2]
@@ -122,9 +193,17 @@ class RetinaFaceDetector:
                     ]
         return results
 
+    def input_side(self, shape: tuple[int, ...]) -> int:
+        """Longest side, px, at which an image of ``shape`` (H, W, ...) is seen by the network."""
+        longest = max(shape[:2])
+        if self.min_face_size is not None and self.min_face_size > MIN_FACE_INPUT:
+            longest = math.ceil(longest * MIN_FACE_INPUT / self.min_face_size)
+        return min(self.detect_size, longest)
+
     def _input(self, images: list[np.ndarray], size: tuple[int, int]) -> torch.Tensor:
         """[N, 3, H, W] float BGR minus the mean, zero (the mean colour) right of and below each image."""
-        batch = torch.zeros((len(images), 3, *size), device=self.device).contiguous(memory_format=torch.channels_last)
+        layout = torch.contiguous_format if self.runtime == "onnxruntime" else torch.channels_last
+        batch = torch.zeros((len(images), 3, *size), device=self.device).contiguous(memory_format=layout)
         for row, image in enumerate(images):
             h, w = image.shape[:2]
             pixels = torch.from_numpy(np.require(image, np.uint8, ['C', 'W'])).to(self.device).permute(2, 0, 1).flip(0)

@@ -178,6 +178,12 @@ def check_model(data: bytes, spec: WheelWeights, *, source: Path) -> None:
         )
 
 
+def weights_record(path: str | os.PathLike[str]) -> dict[str, str]:
+    """What a manifest records of a weights file given by path: its name and sha256, never the path
+    (a manifest holds no absolute paths, and the same weights anywhere give the same manifest)."""
+    return {"file": Path(path).name, "sha256": _sha256(Path(path))}
+
+
 def load_onnx_bytes(name: str = "retinaface", *, cache: str | os.PathLike[str] | None = None) -> bytes:
     """The checked ONNX model of ``name`` from the cache (no network). Raises :class:`FacepipeError`
     naming the command to run, or the file to place by hand, when it is missing or wrong."""

@@ -116,7 +116,7 @@ class SetBuilder:
             },
             num_identities=len(self.identities),
             counts={"scanned": scanned, "accepted": self.accepted, "rejected": rejected},
-            params=p.model_dump(),
+            params=_manifest_params(p),
         )
         manifest["rejected_by_reason"] = dict(sorted(self.reasons.items()))
         return write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
@@ -124,6 +124,16 @@ class SetBuilder:
     def abort(self) -> None:
         self.writer.abort()
         self.rejects.close()
+
+
+def _manifest_params(params: PrepareParams) -> dict[str, Any]:
+    """The resolved parameters for the manifest; weights given by path are recorded by name and sha256."""
+    resolved = params.model_dump()
+    if params.detector_weights is not None:
+        from facepipe.detection.weights import weights_record
+
+        resolved["detector_weights"] = weights_record(params.detector_weights)
+    return resolved
 
 
 @contextmanager
