@@ -18,11 +18,13 @@ from facepipe.errors import FacepipeError
 COMMAND_MODULES = (
     "facepipe.stages.sample_data",
     "facepipe.stages.prepare",
+    "facepipe.stages.import_data",
     "facepipe.stages.inspect",
     "facepipe.stages.split",
     "facepipe.stages.train",
     "facepipe.stages.evaluate",
     "facepipe.stages.export",
+    "facepipe.stages.export_rec",
 )
 
 

@@ -36,7 +36,9 @@ class PrepareParams(Section):
     image_size: int = Field(112, ge=16, le=1024, description="side of the aligned square face, pixels")
     encoding: Literal["jpeg", "png"] = "jpeg"
     quality: int = Field(95, ge=1, le=100, description="JPEG quality of the stored faces")
-    detector: Literal["mtcnn", "retinaface"] = "mtcnn"
+    detector: Literal["mtcnn", "retinaface", "none"] = Field(
+        "mtcnn", description="none: the images are aligned face crops already (no detection; README: Importing)"
+    )
     detector_weights: str | None = Field(
         None,
         description="retinaface only: biubug6 .pth checkpoint (MobileNet-0.25 or ResNet-50) or .onnx file;"

@@ -7,7 +7,7 @@ import os
 from facepipe.detection.base import Detector
 
 #: Names that ``prepare.detector`` accepts.
-DETECTORS = ("mtcnn", "retinaface")
+DETECTORS = ("mtcnn", "retinaface", "none")
 
 
 def create_detector(
@@ -19,7 +19,8 @@ def create_detector(
     device: str = "auto",
 ) -> Detector:
     """The detector ``name`` with its weights (MTCNN: facenet-pytorch's, shipped; RetinaFace: ``weights``
-    or the cached MobileNet-0.25 of ``facepipe weights fetch retinaface``)."""
+    or the cached MobileNet-0.25 of ``facepipe weights fetch retinaface``; ``none``: pre-aligned crops,
+    no network)."""
     if name == "mtcnn":
         if weights is not None:
             raise ValueError("mtcnn uses the weights shipped with facenet-pytorch; weights are for retinaface")
@@ -31,4 +32,10 @@ def create_detector(
 
         # Faces below min_face_size are gated by the caller; RetinaFace uses it to pick its input scale.
         return RetinaFaceDetector(weights=weights, detect_size=detect_size, min_face_size=min_face_size, device=device)
+    if name == "none":
+        if weights is not None:
+            raise ValueError("detector none runs no network; weights are for retinaface")
+        from facepipe.detection.prealigned import PrealignedDetector
+
+        return PrealignedDetector()  # the images are aligned crops already
     raise ValueError(f"unknown detector {name!r}; known: {', '.join(DETECTORS)}")

@@ -72,6 +72,7 @@ class SetBuilder:
         self.reasons: Counter[str] = Counter()
         self.accepted = 0
         self.payload_bytes = 0
+        self.resized: list[str] = []  # detector none: paths of crops that were not image_size squares
 
     def add(self, outcome: Outcome) -> None:
         if outcome.sha256 is not None:
@@ -92,6 +93,8 @@ class SetBuilder:
         self.writer.write(record, label=label, payload_bytes=len(outcome.payload))
         self.accepted += 1
         self.payload_bytes += len(outcome.payload)
+        if self.params.detector == "none" and outcome.header.get("source_size") != outcome.header.get("size"):
+            self.resized.append(outcome.path)
 
     def _reject(self, path: str, reason: str, detail: str) -> None:
         self.reasons[reason] += 1
@@ -210,6 +213,7 @@ def run(
             "num_identities": manifest["num_identities"],
             "num_shards": len(manifest["shards"]),
             "payload_bytes": builder.payload_bytes,
+            **({"resized": len(builder.resized)} if params.detector == "none" else {}),
             "shard_bytes": sum((tmp / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
             "workers": n_workers,
             "scheduler": scheduler_address or ("local" if submit is None else "custom"),
@@ -222,7 +226,15 @@ def run(
             "images_per_s": round(len(paths) / max(process_s, 1e-9), 2),
         }
         (tmp / "report.json").write_text(dumps(report))
+    warn_resized(builder, params.image_size)
     return report
+
+
+def warn_resized(builder: SetBuilder, size: int) -> None:
+    """One warning for the pre-aligned crops (detector none) that had to be resized to ``size``."""
+    if builder.resized:
+        first = builder.resized[0]
+        log.warning("%d aligned face(s) were not %dx%d and were resized (first: %s)", len(builder.resized), size, size, first)
 
 
 @contextmanager

@@ -1,0 +1,59 @@
+"""``facepipe import SOURCE OUT``: datasets people already hold, into the shard set contract.
+
+SOURCE is either an insightface RecordIO pack (a ``.rec`` file, or a folder with ``train.rec``:
+:mod:`facepipe.stages.import_rec`) or a folder of pre-aligned face crops in the ``identity/image``
+layout, which is prepare with ``detector: none`` (no detection; the crops are checked, resized to
+``image_size`` when they are not that size, and everything else is prepare: rejects, duplicates,
+accounting, Dask workers, atomic output). Both read the ``prepare`` section of the params file.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from facepipe.config import PrepareParams, load_section
+from facepipe.errors import FacepipeError
+from facepipe.stages import import_rec, prepare
+
+
+def run(
+    params: PrepareParams,
+    source: str | Path,
+    out: str | Path,
+    *,
+    workers: int | None = None,
+    progress: bool = True,
+    **prepare_options: Any,
+) -> dict[str, Any]:
+    """Import ``source`` (a RecordIO pack or a folder of aligned crops) into the shard set ``out``;
+    returns the run report. ``prepare_options`` go to :func:`facepipe.stages.prepare.run` (folders only)."""
+    if import_rec.is_pack(source):
+        return import_rec.run(params, source, out, progress=progress)
+    if not Path(source).is_dir():
+        raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
+    aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
+    return prepare.run(aligned, source, out, workers=workers, progress=progress, **prepare_options)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from facepipe.cli import add_params_argument
+
+    parser = subparsers.add_parser(
+        "import", help="insightface train.rec/.idx pack or folder of aligned faces -> shard set (no detection)"
+    )
+    parser.add_argument("source", type=Path, metavar="SOURCE", help="a .rec file, a folder with train.rec, or identity/image folders of aligned faces")
+    parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
+    add_params_argument(parser)
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="folders: local worker processes (default: one per core)")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        raise FacepipeError(f"--workers must be >= 1, got {args.workers}")
+    params = load_section(args.params, "prepare")
+    report = run(params, args.source, args.out, workers=args.workers)
+    print(prepare.summary_line(report).replace("prepare:", "import:", 1))
+    return 0

@@ -1,0 +1,301 @@
+"""Import an insightface RecordIO pack (``train.rec`` + ``train.idx``) into a shard set.
+
+The same contract as prepare (DESIGN.md, "A prepared shard set"): every image record of the pack
+is scanned once and ends as a sample or a reject (``scanned == accepted + rejected``), duplicates by
+content are rejected, the set is written into a temporary sibling and renamed into place, and the
+manifest is deterministic. A record's source path is ``<identity>/<rec name>#<key>`` (its identity
+folder first, as every facepipe path), or ``<rec name>#<key>`` when its label cannot be read.
+
+Identities are the pack's integer labels (insightface readers take the float label, or the first
+value of an array label); an identity's name in labels.json is that integer (or the name that
+``facepipe export-rec`` recorded in the pack's export.json), and labels are given
+in order of first appearance, so a pack whose images are grouped by label in ascending order (as
+insightface's tools write them, and as ``facepipe export-rec`` does) keeps its label numbers. With a
+header record, each image's label is checked against the identity range that holds its key.
+
+Images are checked as prepare checks photos (decodable, not truncated, pixel limit) and must be
+aligned crops: an ``image_size`` square JPEG (PNG for ``encoding: png``) is stored byte for byte;
+any other size is resized onto the output as ``prepare.detector: none`` does (and counted, with a
+warning). insightface reads these payloads with ``mx.image.imdecode``, which gives RGB; Pillow
+gives the same RGB, so colours carry over unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from facepipe.alignment import align_face
+from facepipe.config import PrepareParams
+from facepipe.data.decode import Reject, load_image
+from facepipe.data.extract import Outcome
+from facepipe.detection.prealigned import aligned_landmarks
+from facepipe.errors import FacepipeError
+from facepipe.io.atomic import atomic_output_dir, check_output
+from facepipe.io.manifest import dumps
+from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
+from facepipe.io.recordio import RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
+from facepipe.progress import Progress
+from facepipe.stages.prepare import SHARD_SET, SetBuilder, warn_resized
+
+log = logging.getLogger("facepipe.import")
+
+#: Reject reasons of this importer, besides prepare's image reasons and ``duplicate``.
+REC_REASONS = ("bad_record", "truncated_record", "missing_record", "bad_label", "label_mismatch")
+
+_SIGNATURES = {"jpeg": b"\xff\xd8\xff", "png": b"\x89PNG\r\n\x1a\n"}
+
+
+@dataclass(frozen=True)
+class RecPack:
+    """Where a pack's files are: the .rec, its .idx (None: scan the .rec), property.txt (None: absent),
+    and identity names by label when ``facepipe export-rec`` wrote the pack (None: names are labels)."""
+
+    rec: Path
+    idx: Path | None
+    prop: tuple[int, int, int] | None
+    names: tuple[str, ...] | None = None
+
+    def identity(self, label: int) -> str:
+        """The identity folder name of ``label``."""
+        return self.names[label] if self.names and label < len(self.names) else str(label)
+
+
+def is_pack(source: str | Path) -> bool:
+    """True when ``source`` is a .rec file or a folder holding ``train.rec``."""
+    source = Path(source)
+    return (source.is_file() and source.suffix == ".rec") or (source / "train.rec").is_file()
+
+
+def find_pack(source: str | Path) -> RecPack:
+    """The pack at ``source`` (a .rec file, or a folder with ``train.rec``). Raises FacepipeError."""
+    source = Path(source)
+    rec = source / "train.rec" if source.is_dir() else source
+    if not rec.is_file() or rec.suffix != ".rec":
+        raise FacepipeError(f"no RecordIO pack at {source} (expected a .rec file or a folder with train.rec)")
+    idx = rec.with_suffix(".idx")
+    try:
+        prop = read_property(rec.parent / "property.txt")
+    except RecordIOError as error:
+        raise FacepipeError(str(error)) from None
+    return RecPack(rec, idx if idx.is_file() else None, prop, _export_names(rec.parent / "export.json"))
+
+
+def _export_names(path: Path) -> tuple[str, ...] | None:
+    """The identity names export-rec recorded, when they are usable as folder names (else None)."""
+    from facepipe.stages.export_rec import EXPORT_FORMAT
+
+    try:
+        data = json.loads(path.read_text())
+        names = data["identities"] if data.get("format") == EXPORT_FORMAT else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if not isinstance(names, list) or len(set(map(str, names))) != len(names):
+        return None
+    if any(unsafe_path_reason(name) is not None or "/" in name for name in names):
+        return None
+    return tuple(names)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a pack holds: image keys to read (in order, with offsets; None: the key is missing from
+    the .idx), the identity of each key by the header's ranges (empty without a header), and whether
+    the pack has a header record."""
+
+    images: list[tuple[int, int | None]]
+    identity_of: dict[int, int]
+    header: bool
+    stray: list[int]
+
+
+def read_layout(pack: RecPack, handle: IO[bytes]) -> Layout:
+    """The pack's layout from its .idx and header record (arcface_torch's ``MXFaceDataset`` rules:
+    record 0 with flag > 0 is a header, else every key is an image). Raises FacepipeError."""
+    try:
+        entries = read_index(pack.idx) if pack.idx else list(enumerate(scan_offsets(pack.rec)))
+    except RecordIOError as error:
+        raise FacepipeError(str(error)) from None
+    offsets: dict[int, int] = {}
+    for key, offset in entries:
+        if offsets.setdefault(key, offset) != offset:
+            raise FacepipeError(f"key {key} appears twice in {pack.idx} with different offsets")
+    if not offsets:
+        raise FacepipeError(f"no records in {pack.idx or pack.rec}")
+    first = _header_record(handle, offsets)
+    if first is None:
+        return Layout([(key, offsets[key]) for key in dict.fromkeys(k for k, _ in entries)], {}, False, [])
+    images_end, identities_end = first
+    identity_of: dict[int, int] = {}
+    for key in range(images_end, identities_end):
+        identity_of.update(_identity_range(handle, offsets.get(key), key=key, identity=key - images_end))
+    images = [(key, offsets.get(key)) for key in range(1, images_end)]
+    stray = sorted(key for key in offsets if not 0 <= key < identities_end)
+    return Layout(images, identity_of, True, stray)
+
+
+def _header_record(handle: IO[bytes], offsets: dict[int, int]) -> tuple[int, int] | None:
+    """``(first identity key, end of identity keys)`` of the header record 0, or None without one."""
+    if 0 not in offsets:
+        return None
+    try:
+        header, _ = unpack(read_record(handle, offsets[0]))
+    except RecordIOError as error:
+        raise FacepipeError(f"record 0 (the header of an insightface pack) is unreadable: {error}") from None
+    if header.flag == 0:
+        return None
+    if not isinstance(header.label, tuple) or len(header.label) < 2:
+        raise FacepipeError(f"header record 0 has flag {header.flag} but not the two labels [images end, identities end]")
+    images_end, identities_end = (int(v) for v in header.label[:2])
+    if not 1 <= images_end <= identities_end:
+        raise FacepipeError(f"header record 0 gives impossible ranges {header.label[:2]}")
+    return images_end, identities_end
+
+
+def _identity_range(handle: IO[bytes], offset: int | None, *, key: int, identity: int) -> dict[int, int]:
+    """{image key: identity} of one identity record (empty, with a warning, when it is unreadable:
+    its images then keep just their own labels)."""
+    try:
+        if offset is None:
+            raise RecordIOError("missing from the .idx")
+        header, _ = unpack(read_record(handle, offset))
+        start, end = int(header.label[0]), int(header.label[1])  # type: ignore[index]
+    except (RecordIOError, TypeError, IndexError, ValueError) as error:
+        log.warning("identity record %d unreadable (%s): its images are checked against their own labels only", key, error)
+        return {}
+    return dict.fromkeys(range(start, end), identity)
+
+
+def read_images(pack: RecPack, handle: IO[bytes], layout: Layout, params: PrepareParams) -> Iterator[Outcome]:
+    """One :class:`Outcome` per image key of ``layout`` (then per stray key), in order."""
+    name = pack.rec.name
+    for key, offset in layout.images:
+        yield _image_outcome(handle, pack, key, offset, params, layout.identity_of)
+    for key in layout.stray:
+        detail = "the key lies outside the header record's image and identity ranges"
+        yield Outcome(f"{name}#{key}", None, reason="bad_record", detail=detail)
+
+
+def _image_outcome(
+    handle: IO[bytes], pack: RecPack, key: int, offset: int | None, params: PrepareParams, identity_of: dict[int, int]
+) -> Outcome:
+    name = pack.rec.name
+    where = f"{name}#{key}"
+    if offset is None:
+        return Outcome(where, None, reason="missing_record", detail="the header's image range holds this key; the .idx does not")
+    try:
+        header, payload = unpack(read_record(handle, offset))
+    except RecordIOError as error:
+        return Outcome(where, None, reason="truncated_record" if error.truncated else "bad_record", detail=str(error))
+    value = header.first_label
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        return Outcome(where, None, reason="bad_label", detail=f"label {value!r} is not a non-negative integer")
+    label = int(value)
+    path = f"{pack.identity(label)}/{where}"
+    sha = hashlib.sha256(payload).hexdigest()
+    expected = identity_of.get(key, label)
+    if expected != label:
+        return Outcome(path, sha, reason="label_mismatch", detail=f"label {label}, but the header puts key {key} in identity {expected}")
+    try:
+        stored, image = aligned_payload(payload, params)
+    except Reject as reject:
+        return Outcome(path, sha, reason=reject.reason, detail=reject.detail)
+    height, width = image.shape[:2]
+    record_header = {
+        "path": path,
+        "sha256": sha,
+        "box": [0.0, 0.0, float(width), float(height)],
+        "landmarks": [[round(float(x), 3), round(float(y), 3)] for x, y in aligned_landmarks(width, height)],
+        "score": 1.0,
+        "source_size": [width, height],
+        "encoding": params.encoding,
+        "size": [params.image_size, params.image_size],
+        "source": {"file": name, "key": key, "label": label},
+    }
+    return Outcome(path, sha, header=record_header, payload=stored)
+
+
+def aligned_payload(payload: bytes, params: PrepareParams) -> tuple[bytes, np.ndarray]:
+    """(bytes to store, the decoded [H, W, 3] uint8 RGB source) of one aligned crop. ``payload`` is kept
+    as it is when it is an ``image_size`` square in ``params.encoding`` that decodes to the same pixels
+    (no second JPEG generation); otherwise it is aligned as ``detector: none`` aligns and encoded.
+    Raises :class:`Reject` (prepare's decode reasons, ``image_too_small``)."""
+    image = load_image(payload, max_pixels=params.max_pixels)
+    height, width = image.shape[:2]
+    if min(height, width) < params.min_face_size:
+        raise Reject("image_too_small", f"{width}x{height} is smaller than min_face_size={params.min_face_size}")
+    size = params.image_size
+    same = (height, width) == (size, size) and payload.startswith(_SIGNATURES[params.encoding])
+    if same and np.array_equal(decode_image(payload), image):
+        return payload, image
+    aligned = align_face(image, aligned_landmarks(width, height), size)
+    return encode_image(aligned, encoding=params.encoding, quality=params.quality), image
+
+
+def run(params: PrepareParams, source: str | Path, out: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Import the pack at ``source`` into the shard set ``out``; returns the report (also report.json).
+
+    Uses the ``prepare`` section for the output (size, encoding, quality, shard size, pixel limit),
+    with ``detector: none`` recorded in the manifest.
+    """
+    started = time.perf_counter()
+    params = params.model_copy(update={"detector": "none", "detector_weights": None})
+    pack = find_pack(source)
+    out = Path(out)
+    files = {"record file": pack.rec, **({"index file": pack.idx} if pack.idx else {})}
+    check_output(out, kind=SHARD_SET, sources={"pack folder": source} if Path(source).is_dir() else files)
+    with open(pack.rec, "rb") as handle, atomic_output_dir(out, kind=SHARD_SET) as tmp:
+        layout = read_layout(pack, handle)
+        scanned = len(layout.images) + len(layout.stray)
+        builder = SetBuilder(tmp, params)
+        try:
+            with Progress(scanned, desc="import", enabled=progress) as bar:
+                for outcome in read_images(pack, handle, layout, params):
+                    builder.add(outcome)
+                    bar.update(1)
+            manifest = builder.finish(scanned)
+        except BaseException:
+            builder.abort()
+            raise
+        manifest["source"] = _source_entry(pack, layout)
+        (tmp / "manifest.json").write_text(dumps(manifest))
+        report = _report(manifest, builder, tmp, elapsed=time.perf_counter() - started)
+        (tmp / "report.json").write_text(dumps(report))
+    warn_resized(builder, params.image_size)
+    return report
+
+
+def _source_entry(pack: RecPack, layout: Layout) -> dict[str, Any]:
+    """What the manifest says of the pack (names only, no absolute paths)."""
+    return {
+        "format": "insightface-recordio",
+        "file": pack.rec.name,
+        "header_record": layout.header,
+        "property": list(pack.prop) if pack.prop else None,
+    }
+
+
+def _report(manifest: dict[str, Any], builder: SetBuilder, root: Path, *, elapsed: float) -> dict[str, Any]:
+    scanned = manifest["counts"]["scanned"]
+    return {
+        "counts": manifest["counts"],
+        "rejected_by_reason": manifest["rejected_by_reason"],
+        "num_identities": manifest["num_identities"],
+        "num_shards": len(manifest["shards"]),
+        "payload_bytes": builder.payload_bytes,
+        "shard_bytes": sum((root / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
+        "resized": len(builder.resized),
+        "workers": 1,
+        "scheduler": "in-process",
+        "timings_s": {"total": round(elapsed, 3)},
+        "images_per_s": round(scanned / max(elapsed, 1e-9), 2),
+    }

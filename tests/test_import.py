@@ -1,0 +1,254 @@
+"""facepipe import (insightface RecordIO packs, folders of aligned faces) and facepipe export-rec.
+
+Packs are written here with facepipe.io.recordio in insightface's layout (MXNet's pack/unpack and
+dmlc's framing, checked byte by byte in test_recordio.py), and read back the way arcface_torch's
+MXFaceDataset reads them (:func:`arcface_read`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from facepipe.alignment import align_face
+from facepipe.cli import main
+from facepipe.config import PrepareParams
+from facepipe.data.dataset import FaceDataset
+from facepipe.detection import create_detector
+from facepipe.detection.prealigned import aligned_landmarks
+from facepipe.io import ShardSet
+from facepipe.io.recordio import MAGIC, IRHeader, RecordIOWriter, pack, read_index, read_record, unpack
+from facepipe.stages import export_rec, import_rec
+from facepipe.stages.inspect import verify
+
+PARAMS = PrepareParams(samples_per_shard=5)
+M = struct.pack("<I", MAGIC)
+
+
+def crop(seed: int, size: int = 112, *, fmt: str = "JPEG") -> bytes:
+    """A smooth, distinct [size, size] RGB image as JPEG (or PNG) bytes."""
+    rng = np.random.default_rng(seed)
+    small = rng.integers(0, 256, (7, 7, 3), dtype=np.uint8)
+    pil = Image.fromarray(small).resize((size, size), Image.BICUBIC)
+    buffer = io.BytesIO()
+    pil.save(buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buffer.getvalue()
+
+
+def write_pack(
+    folder: Path,
+    items: list[tuple[int, bytes]],
+    *,
+    header: bool,
+    array_labels: bool = False,
+    identities: list[int] | None = None,
+) -> list[int]:
+    """insightface's layout: optional header record 0, images, identity records (the key range of each
+    identity: ``identities[i]`` of item i, default its label; grouped); returns the image keys."""
+    folder.mkdir(parents=True, exist_ok=True)
+    identities = identities or [label for label, _ in items]
+    n, labels = len(items), sorted(set(identities))
+    first = 1 if header else 0
+    keys = list(range(first, first + n))
+    with RecordIOWriter(folder / "train.rec", folder / "train.idx") as writer:
+        if header:
+            writer.write(0, pack(IRHeader(2, (n + 1.0, n + 1.0 + len(labels))), b""))
+        for key, (label, payload) in zip(keys, items):
+            writer.write(key, pack(IRHeader(0, (float(label), 0.0) if array_labels else float(label), key), payload))
+        if header:
+            for identity in labels:
+                held = [key for key, owner in zip(keys, identities) if owner == identity]
+                writer.write(n + 1 + identity, pack(IRHeader(2, (float(held[0]), float(held[-1] + 1))), b""))
+    (folder / "property.txt").write_text(f"{len(labels)},112,112\n")
+    return keys
+
+
+def arcface_read(folder: Path) -> list[tuple[int, bytes]]:
+    """(label, image bytes) as arcface_torch's MXFaceDataset yields them."""
+    index = dict(read_index(folder / "train.idx"))
+    with open(folder / "train.rec", "rb") as handle:
+        header, _ = unpack(read_record(handle, index[0]))
+        keys = range(1, int(header.label[0])) if header.flag > 0 else list(index)
+        out = []
+        for key in keys:
+            image_header, payload = unpack(read_record(handle, index[key]))
+            out.append((int(image_header.first_label), payload))
+    return out
+
+
+def rejects(root: Path) -> dict[str, str]:
+    return {r["path"]: r["reason"] for r in map(json.loads, (root / "rejects.jsonl").read_text().splitlines())}
+
+
+def records(root: Path) -> dict[str, tuple[int, bytes]]:
+    shard_set = ShardSet(root)
+    return {record.path: (record.label, record.payload) for reader in shard_set.readers for record in reader}
+
+
+@pytest.fixture
+def header_pack(tmp_path):
+    """3 identities with array labels, plus one of each per-record problem."""
+    items = [(0, crop(0)), (0, crop(1)), (0, crop(2)), (1, crop(99))]  # key 4: label 1 in identity 0's range
+    items += [(1, crop(10)), (1, crop(14, 160)), (1, crop(15, fmt="PNG"))]  # key 6 resized, key 7 re-encoded
+    items += [(2, crop(20)), (2, crop(21)), (2, crop(22))]
+    items += [(2, b"this is not an image"), (2, crop(0)), (2, b"")]  # keys 11-13: not_an_image, duplicate, empty_file
+    folder = tmp_path / "pack"
+    owners = [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 2]
+    keys = write_pack(folder, items, header=True, array_labels=True, identities=owners)
+    return folder, dict(zip(keys, items))
+
+
+def test_pack_with_header_imports_verifies_and_loads(header_pack, tmp_path):
+    folder, by_key = header_pack
+    out = tmp_path / "set"
+    report = import_rec.run(PARAMS, folder, out, progress=False)
+    assert report["counts"] == {"scanned": 13, "accepted": 9, "rejected": 4}
+    assert rejects(out) == {
+        "1/train.rec#4": "label_mismatch",
+        "2/train.rec#11": "not_an_image",
+        "2/train.rec#12": "duplicate",
+        "2/train.rec#13": "empty_file",
+    }
+    assert report["resized"] == 1 and report["num_identities"] == 3
+    assert verify(out) == []
+    assert json.loads((out / "labels.json").read_text()) == ["0", "1", "2"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["source"] == {"format": "insightface-recordio", "file": "train.rec", "header_record": True, "property": [3, 112, 112]}
+    assert manifest["params"]["detector"] == "none"
+    stored = records(out)
+    assert len(stored) == 9 and {path.split("#")[0] for path in stored} == {"0/train.rec", "1/train.rec", "2/train.rec"}
+    for path, (label, payload) in stored.items():
+        key = int(path.split("#")[1])
+        assert label == by_key[key][0]
+        if key not in (6, 7):  # 112x112 JPEGs are stored byte for byte
+            assert payload == by_key[key][1]
+    resized = Image.open(io.BytesIO(stored["1/train.rec#6"][1]))
+    assert resized.size == (112, 112) and resized.format == "JPEG"
+    dataset = FaceDataset(out)
+    batch = dataset.__getitems__(list(range(len(dataset))))
+    assert [tuple(image.shape) for image, _ in batch] == [(3, 112, 112)] * 9
+    assert sorted(label for _, label in batch) == sorted(label for label, _ in stored.values())
+
+
+def test_pack_without_header_continuation_and_a_truncated_last_record(tmp_path):
+    jpeg = crop(3)
+    with_magic = jpeg + b"\0" * (-len(jpeg) % 4) + M + b"tail"  # after the JPEG's end: decoders ignore it
+    items = [(0, crop(1)), (0, with_magic), (1, crop(2)), (1, crop(4)), (1, crop(5))]
+    folder = tmp_path / "pack"
+    write_pack(folder, items, header=False)
+    (folder / "property.txt").unlink()
+    rec = (folder / "train.rec").read_bytes()
+    assert M + struct.pack("<I", (1 << 29) | (24 + len(jpeg) + (-len(jpeg) % 4))) in rec  # a first part
+    (folder / "train.rec").write_bytes(rec[:-30])  # cut inside the last record
+    out = tmp_path / "set"
+    report = import_rec.run(PARAMS, folder / "train.rec", out, progress=False)
+    assert report["counts"] == {"scanned": 5, "accepted": 4, "rejected": 1}
+    reject = json.loads((out / "rejects.jsonl").read_text())
+    assert reject["path"] == "train.rec#4" and reject["reason"] == "truncated_record" and "file ends" in reject["detail"]
+    stored = records(out)
+    assert stored["0/train.rec#1"] == (0, with_magic)  # parts joined, the magic word put back
+    assert {path: label for path, (label, _) in stored.items()} == {
+        "0/train.rec#0": 0, "0/train.rec#1": 0, "1/train.rec#2": 1, "1/train.rec#3": 1,
+    }
+    assert verify(out) == []
+    assert json.loads((out / "manifest.json").read_text())["source"]["header_record"] is False
+
+
+def test_export_rec_gives_insightface_s_layout_and_imports_back(header_pack, tmp_path):
+    folder, _ = header_pack
+    first = tmp_path / "set"
+    import_rec.run(PARAMS, folder, first, progress=False)
+    exported = tmp_path / "export"
+    summary = export_rec.run(first, exported, progress=False)
+    assert summary["num_images"] == 9 and summary["num_identities"] == 3
+    assert (exported / "property.txt").read_text() == "3,112,112\n"
+    read = arcface_read(exported)
+    assert [label for label, _ in read] == sorted(label for label, _ in read)  # grouped by label, ascending
+    assert sorted(read) == sorted(records(first).values())
+    # identity records n+1.. give each label's key range
+    index = dict(read_index(exported / "train.idx"))
+    with open(exported / "train.rec", "rb") as handle:
+        ranges = [unpack(read_record(handle, index[10 + label]))[0].label for label in range(3)]
+    assert [int(a) for a, _ in ranges] == [1] + [int(b) for _, b in ranges[:-1]] and ranges[-1][1] == 10.0
+    assert [label for label, _ in read] == [label for label in range(3) for _ in range(int(ranges[label][1] - ranges[label][0]))]
+    again = tmp_path / "again"
+    import_rec.run(PARAMS, exported, again, progress=False)
+    assert json.loads((again / "labels.json").read_text()) == json.loads((first / "labels.json").read_text())
+    assert sorted(records(again).values()) == sorted(records(first).values())
+    assert verify(again) == []
+    export_rec.run(first, exported, progress=False)  # its own output is replaced
+
+
+def test_prealigned_detector_copies_112_crops_and_pads_96_wide_ones():
+    image = np.asarray(Image.open(io.BytesIO(crop(7))))
+    detector = create_detector("none")
+    (face,) = detector.detect([image])[0]
+    assert face.score == 1.0 and face.box.tolist() == [0, 0, 112, 112]
+    assert np.array_equal(align_face(image, face.landmarks, 112), image)
+    narrow = image[:, 8:104]  # a 96 x 112 SphereFace-style crop of the same face
+    aligned = align_face(narrow, aligned_landmarks(96, 112), 112)
+    assert np.array_equal(aligned[:, 8:104], narrow) and not aligned[:, :8].any() and not aligned[:, 104:].any()
+
+
+@pytest.mark.multiprocess
+def test_aligned_folder_import_through_the_cli(tmp_path, capsys):
+    raw = tmp_path / "aligned"
+    for name, payload in {
+        "ann/1.jpg": crop(1), "ann/2.png": crop(2, fmt="PNG"), "bob/1.jpg": crop(3, 160), "bob/2.jpg": crop(4),
+        "bob/cut.jpg": crop(5)[:400], "bob/notes.txt": b"hello",
+    }.items():
+        (raw / name).parent.mkdir(parents=True, exist_ok=True)
+        (raw / name).write_bytes(payload)
+    out = tmp_path / "set"
+    assert main(["import", str(raw), str(out), "--workers", "1", "--params", str(_params(tmp_path))]) == 0
+    assert "import: scanned 6, accepted 4, rejected 2" in capsys.readouterr().out
+    assert rejects(out) == {"bob/cut.jpg": "unreadable", "bob/notes.txt": "not_an_image"}
+    assert json.loads((out / "report.json").read_text())["resized"] == 1
+    assert verify(out) == []
+    stored = {path: Image.open(io.BytesIO(payload)) for path, (_, payload) in records(out).items()}
+    assert {path: image.size for path, image in stored.items()} == dict.fromkeys(["ann/1.jpg", "ann/2.png", "bob/1.jpg", "bob/2.jpg"], (112, 112))
+    source = np.asarray(Image.open(raw / "ann/2.png"), dtype=np.int16)
+    assert np.abs(np.asarray(stored["ann/2.png"], dtype=np.int16) - source).mean() < 2  # copied, then JPEG q95
+
+
+def _params(tmp_path: Path) -> Path:
+    path = tmp_path / "params.yaml"
+    path.write_text("prepare:\n  samples_per_shard: 3\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "setup, args, message",
+    [
+        (None, ["import", "{tmp}/nothing", "{tmp}/out"], "nothing to import at"),
+        ("pack", ["import", "{tmp}/pack", "{tmp}/pack/out"], "lies inside the pack folder"),
+        ("pack", ["import", "{tmp}/pack/train.rec", "{tmp}"], "lies inside the output"),
+        ("pack", ["import", "{tmp}/pack", "{tmp}/user"], "refusing to replace"),
+        ("badidx", ["import", "{tmp}/pack", "{tmp}/out"], "line 2 is not 'key<TAB>offset'"),
+        ("badheader", ["import", "{tmp}/pack", "{tmp}/out"], "record 0 (the header of an insightface pack) is unreadable"),
+        (None, ["export-rec", "{tmp}/nothing", "{tmp}/out"], "shard set not found"),
+        ("pack", ["export-rec", "{tmp}/pack", "{tmp}/out"], "not a prepared shard set"),
+    ],
+)
+def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, setup, args, message):
+    if setup:
+        write_pack(tmp_path / "pack", [(0, crop(1)), (0, crop(2))], header=True)
+        (tmp_path / "user").mkdir()
+        (tmp_path / "user" / "mine.txt").write_text("keep me")
+    if setup == "badidx":
+        (tmp_path / "pack" / "train.idx").write_text("0\t0\n1\tnope\n")
+    if setup == "badheader":
+        rec = tmp_path / "pack" / "train.rec"
+        rec.write_bytes(b"\0" * 8 + rec.read_bytes()[8:])
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main([arg.format(tmp=tmp_path) for arg in args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tmp_path / "user" / "mine.txt").read_text() == "keep me" if setup else True
