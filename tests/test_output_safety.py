@@ -219,6 +219,15 @@ def test_model_folder_kind_matches_what_train_writes(trained):
     assert MODEL_FOLDER.foreign(trained) is None
 
 
+def test_train_writes_into_a_model_folder_holding_dvcs_gitignore(shard_set, trained, tmp_path):
+    """dvc.yaml's train outs make DVC write OUT/.gitignore: train leaves it alone and runs."""
+    out = tmp_path / "model"
+    shutil.copytree(trained, out)
+    (out / ".gitignore").write_text("/backbone.pt\n/model.json\n/checkpoints\n")
+    report = train(tiny_params(epochs=1, checkpoint_every=2), shard_set, out, max_steps=4, model_factory=linear_model)
+    assert report.resumed_from_step == 4 and (out / ".gitignore").read_text().startswith("/backbone.pt")
+
+
 # -- 4. final files never mixed between runs ------------------------------------------------------------------
 
 

@@ -55,6 +55,7 @@ MODEL_FOLDER = OutputKind(
         f"{CHECKPOINT_DIR}/step-*.pt",
         f"{CHECKPOINT_DIR}/step-*.pt.corrupt",
         f"{CHECKPOINT_DIR}/.step-*.pt.tmp-*",
+        ".gitignore",  # DVC's, for the outs train writes (dvc.yaml); train writes into OUT, never removes it
     ),
     identify=_is_model_folder,
 )
