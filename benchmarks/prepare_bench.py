@@ -1,6 +1,10 @@
-"""Prepare throughput: facepipe (1 and 2 workers, CLI and Prefect flow) against a plain MTCNN loop.
+"""Prepare throughput: facepipe (MTCNN and RetinaFace, 1 and 2 workers, CLI and Prefect flow) against a plain MTCNN loop.
 
     python benchmarks/prepare_bench.py [--identities 40] [--images 8] [--repeats 3] [--out DIR]
+        [--detectors mtcnn,retinaface] [--large 48]
+
+``--large N`` adds a second set: N group photos of 2.5 MP with 3-10 faces each, composed from the
+sample photos (``benchmarks/large_set.py``); every detector runs on both sets.
 
 The baseline is what facenet-pytorch users write: ``MTCNN(keep_all=True)`` called one image at a
 time in a loop (torch's default threads), then the same alignment and JPEG encoding as facepipe.
@@ -32,6 +36,9 @@ from facepipe.data.sample import make_sample_dataset
 from facepipe.data.scan import scan_raw
 from facepipe.detection import Face, select_face
 from facepipe.io.records import encode_image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from large_set import make_large_set  # noqa: E402 - a sibling script, not a package
 
 
 def plain_loop(raw: Path, params: PrepareParams) -> tuple[float, int]:
@@ -91,6 +98,35 @@ def facepipe_flow(raw: Path, out: Path, workers: int, params_file: Path, share_a
     return wall, json.loads((out / "report.json").read_text())
 
 
+def _sets(work: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """The raw folders to run on, by name: the sample set, and the large multi-face set if asked."""
+    raw = work / "raw"
+    if not raw.exists():
+        make_sample_dataset(raw, SampleDataParams(identities=args.identities, images_per_identity=args.images))
+    sets = {"sample": raw}
+    if args.large:
+        large = work / "large"
+        if not large.exists():
+            make_large_set(raw, large, images=args.large)
+        sets["large"] = large
+    return sets
+
+
+def _table(runs: dict[str, list[float]], rates: dict[str, list[float]]) -> None:
+    """Markdown rows of medians; ratios against the set's plain loop (if run) and its MTCNN 2-worker row."""
+    print("| run | wall s (whole command) | images/s (processing) | vs plain loop | vs MTCNN, same workers |")
+    print("|---|---:|---:|---:|---:|")
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    rate = {k: statistics.median(v) for k, v in rates.items()}
+    for name in runs:
+        set_name = name.split(":")[0]
+        loop = rate.get(f"{set_name}: plain MTCNN loop")
+        same = rate.get(name.replace("retinaface", "mtcnn"))
+        vs_loop = f"{rate[name] / loop:.2f}x" if loop else "-"
+        vs_mtcnn = f"{rate[name] / same:.2f}x" if same and "retinaface" in name else "-"
+        print(f"| {name} | {med[name]:.1f} | {rate[name]:.2f} | {vs_loop} | {vs_mtcnn} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--identities", type=int, default=40)
@@ -99,54 +135,48 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--skip-flow", action="store_true")
+    parser.add_argument("--skip-loop", action="store_true")
+    parser.add_argument("--detectors", default="mtcnn,retinaface", help="comma-separated prepare.detector values")
+    parser.add_argument("--large", type=int, default=0, help="also run on N large multi-face photos")
     args = parser.parse_args()
 
     work = args.out or Path(tempfile.mkdtemp(prefix="facepipe-bench-"))
-    raw = work / "raw"
-    if not raw.exists():
-        make_sample_dataset(raw, SampleDataParams(identities=args.identities, images_per_identity=args.images))
+    sets = _sets(work, args)
     params = PrepareParams()
-    params_file = work / "params.yaml"
-    params_file.write_text("prepare: {}\n")
-    n_images = len(scan_raw(raw))
+    detectors = args.detectors.split(",")
+    params_files = {}
+    for detector in detectors:
+        params_files[detector] = work / f"params-{detector}.yaml"
+        params_files[detector].write_text(f"prepare: {{detector: {detector}}}\n")
+    counts = {name: len(scan_raw(raw)) for name, raw in sets.items()}
 
     runs: dict[str, list[float]] = {}
     rates: dict[str, list[float]] = {}
-    accepted = {}
-    for repeat in range(args.repeats):
-        seconds, accepted["loop"] = plain_loop(raw, params)
-        runs.setdefault("plain MTCNN loop", []).append(seconds)
-        rates.setdefault("plain MTCNN loop", []).append(n_images / seconds)
-        for workers in (1, 2):
-            wall, report = facepipe_cli(raw, work / f"cli{workers}", workers, params_file)
-            name = f"facepipe prepare, {workers} worker(s)"
-            runs.setdefault(name, []).append(wall)
-            rates.setdefault(name, []).append(report["images_per_s"])
-            accepted[name] = report["counts"]["accepted"]
-        if not args.skip_flow:
-            wall, report = facepipe_flow(raw, work / "flow2", 2, params_file)
-            runs.setdefault("Prefect flow, 2 workers", []).append(wall)
-            rates.setdefault("Prefect flow, 2 workers", []).append(report["images_per_s"])
+
+    def record(name: str, wall: float, rate: float) -> None:
+        runs.setdefault(name, []).append(wall)
+        rates.setdefault(name, []).append(rate)
+
+    for repeat in range(args.repeats):  # interleaved: every configuration once per repeat
+        for set_name, raw in sets.items():
+            if not args.skip_loop:
+                seconds, _ = plain_loop(raw, params)
+                record(f"{set_name}: plain MTCNN loop", seconds, counts[set_name] / seconds)
+            for workers in (1, 2):
+                for detector in detectors:
+                    wall, report = facepipe_cli(raw, work / "cli", workers, params_files[detector])
+                    record(f"{set_name}: facepipe prepare {detector}, {workers} worker(s)", wall, report["images_per_s"])
+            if not args.skip_flow and set_name == "sample":
+                wall, report = facepipe_flow(raw, work / "flow2", 2, params_files[detectors[0]])
+                record(f"{set_name}: Prefect flow {detectors[0]}, 2 workers", wall, report["images_per_s"])
         print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
 
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    med_rate = {k: statistics.median(v) for k, v in rates.items()}
-    loop_rate = med_rate["plain MTCNN loop"]
-    one = med_rate["facepipe prepare, 1 worker(s)"]
-    print(f"\n{n_images} files ({args.identities} identities x {args.images} images + bad files), "
-          f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}; "
-          f"medians of {args.repeats} interleaved runs\n")
-    print("| run | wall s (whole command) | images/s (processing) | vs plain loop | vs 1 worker |")
-    print("|---|---:|---:|---:|---:|")
-    for name in runs:
-        print(f"| {name} | {med[name]:.1f} | {med_rate[name]:.2f} | {med_rate[name] / loop_rate:.2f}x | "
-              f"{med_rate[name] / one:.2f}x |")
-    if "Prefect flow, 2 workers" in med:
-        overhead = med["Prefect flow, 2 workers"] - med["facepipe prepare, 2 worker(s)"]
-        print(f"\nPrefect flow overhead over the CLI (2 workers, wall): {overhead:+.1f} s "
-              f"({med['Prefect flow, 2 workers'] / med['facepipe prepare, 2 worker(s)']:.2f}x)")
+    sizes = ", ".join(f"{name}: {n} files" for name, n in counts.items())
+    print(f"\n{sizes}; {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+          f"Python {platform.python_version()}; medians of {args.repeats} interleaved runs\n")
+    _table(runs, rates)
     if args.json:
-        args.json.write_text(json.dumps({"runs_s": runs, "images_per_s": rates, "n_images": n_images}, indent=2))
+        args.json.write_text(json.dumps({"runs_s": runs, "images_per_s": rates, "n_images": counts}, indent=2))
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
 
