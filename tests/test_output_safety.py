@@ -130,6 +130,16 @@ def test_evaluate_and_export_refuse_a_foreign_output(shard_set, trained, tmp_pat
     assert snapshot(out) == before
 
 
+def test_an_output_that_is_a_symlink_is_refused(shard_set, tmp_path):
+    real = tmp_path / "real"
+    split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(FacepipeError, match="symbolic link"):
+        split.run(SplitParams(val_identities=2, num_pairs=8, seed=1), shard_set, link)
+    assert link.is_symlink() and link.resolve() == real
+
+
 def test_inspect_dump_writes_only_into_a_folder_of_dumps(shard_set, tmp_path, capsys):
     dump = tmp_path / "dump"
     dump.mkdir()

@@ -115,7 +115,9 @@ def check_replaceable(out: str | Path, kind: OutputKind | None) -> None:
     ``kind`` None: only an absent or empty folder may be written.
     """
     out = Path(out)
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
+    if out.is_symlink():  # replacing it would swap the link for a folder, not write where it points
+        raise FacepipeError(f"output is a symbolic link; give the folder it points to: {out}")
+    if out.exists() and not out.is_dir():
         raise FacepipeError(f"output exists and is not a folder: {out}")
     if not out.exists():
         return
