@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,11 +103,29 @@ def test_aligned_eyes_land_on_the_template(prepared):
     assert np.median(errors) < 3.0 and max(errors) < 5.0, errors
 
 
+def leaves(node: object) -> list[object]:
+    """Every scalar in a JSON document, keys included."""
+    if isinstance(node, dict):
+        return [*node.keys(), *(leaf for value in node.values() for leaf in leaves(value))]
+    if isinstance(node, list):
+        return [leaf for value in node for leaf in leaves(value)]
+    return [node]
+
+
 def test_manifest_has_no_paths_hosts_or_times(prepared):
     out, _ = prepared
     text = (out / "manifest.json").read_text()
     assert str(out) not in text and "/tmp" not in text and socket.gethostname() not in text
     manifest = json.loads(text)
+    scalars = leaves(manifest)
+    strings = [leaf for leaf in scalars if isinstance(leaf, str)]
+    assert not [s for s in strings if Path(s).is_absolute() or s.startswith("~")]  # relative paths only
+    assert not [s for s in strings if re.search(r"\d{4}-\d\d-\d\d|\d\d:\d\d:\d\d", s)]  # no dates or clock times
+    assert not [s for s in strings if re.search(r"time|date|host|created|user", s, re.IGNORECASE)]  # nor such keys
+    # Nor a Unix time in seconds or milliseconds within ten years of now (counts and sizes here are far smaller).
+    now = time.time()
+    numbers = [leaf for leaf in scalars if isinstance(leaf, int | float) and not isinstance(leaf, bool)]
+    assert not [n for n in numbers if abs(n - now) < 3.2e8 or abs(n - now * 1000) < 3.2e11]
     assert manifest["params"] == PARAMS.model_dump()
     assert manifest["image"]["template_points"][0] == [38.2946, 51.6963]
 

@@ -78,7 +78,8 @@ def test_other_seed_differs(small: SampleReport, tmp_path: Path) -> None:
     assert sum(a.size != b.size for a, b in zip(small.images, other.images)) >= len(small.images) - 1
 
 
-def test_identity_does_not_depend_on_dataset_size() -> None:
+def test_an_identity_is_a_function_of_its_index_and_seed_alone() -> None:
+    """make_identity takes no dataset size, so the same index and seed give the same face in any dataset."""
     a, b = sample.make_identity(3, seed=5), sample.make_identity(3, seed=5)
     assert a.name == "astronaut_003" and np.array_equal(a.rgba, b.rgba)
     assert not np.array_equal(a.rgba, sample.make_identity(3, seed=6).rgba)
