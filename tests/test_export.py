@@ -53,8 +53,13 @@ def test_export_writes_checked_files(exported: tuple[Path, dict], model_dir: Pat
     assert json.loads((out / "export.json").read_text()) == report
     assert report["model"] == {"backbone": "mobilefacenet", "embedding_size": 16, "image_size": SIZE}
     assert set(report["files"]) == {"onnx", "torchscript"}
-    for entry in report["files"].values():
-        assert entry["max_abs_diff"] <= 1e-4 and entry["max_embedding_diff"] <= 1e-4 and len(entry["sha256"]) == 64
+    # What the stage measured, held to the arithmetic (not to the stage's own 1e-4 limit): outputs ~2.5 in
+    # float32 through ~50 layers; onnxruntime's kernels differ by ~7e-6 raw, ~2.5e-6 on unit vectors
+    # (measured); TorchScript runs PyTorch's own kernels (measured 0).
+    limits = {"onnx": (5e-5, 1e-5), "torchscript": (1e-6, 1e-6)}
+    for fmt, entry in report["files"].items():
+        assert entry["max_abs_diff"] <= limits[fmt][0] and entry["max_embedding_diff"] <= limits[fmt][1], fmt
+        assert len(entry["sha256"]) == 64
 
 
 def unit(rows: np.ndarray) -> np.ndarray:
@@ -85,8 +90,9 @@ def test_exported_file_gives_pytorchs_embeddings_and_different_inputs_differ(
     with torch.no_grad():
         reference = unit(model(torch.cat([first, second])).numpy().astype(np.float64))
     embeddings = unit(np.concatenate([run(path, first), run(path, second)]).astype(np.float64))
-    # float32 through a few dozen layers: unit vectors agree to ~1e-6 (ONNX fuses some ops differently).
-    np.testing.assert_allclose(embeddings, reference, rtol=0, atol=1e-5)
+    # float32 through a few dozen layers: ONNX's unit vectors differ by 2.4e-6 (measured; it fuses some ops
+    # differently), 1e-5 is 4x headroom; TorchScript runs the same kernels (measured 0).
+    np.testing.assert_allclose(embeddings, reference, rtol=0, atol=1e-5 if fmt == "onnx" else 1e-6)
     assert np.sum(embeddings[:4] * embeddings[4:], axis=1).max() < 0.5  # the file does not ignore its input
 
 
