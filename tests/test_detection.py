@@ -67,8 +67,11 @@ def test_a_batch_gives_what_single_images_give(detector):
     for batch_faces, single_faces in zip(together, alone):
         assert len(batch_faces) == len(single_faces)
         for x, y in zip(batch_faces, single_faces):
-            np.testing.assert_allclose(x.box, y.box, atol=1e-3)
-            np.testing.assert_allclose(x.landmarks, y.landmarks, atol=1e-3)
+            # Batched convolutions round differently in float32: measured 1.5e-5 px (one float32 step at
+            # 128-256 px; 3e-5 at 256-512), so 1e-4 px leaves ~6x headroom and catches any real offset.
+            np.testing.assert_allclose(x.box, y.box, rtol=0, atol=1e-4)
+            np.testing.assert_allclose(x.landmarks, y.landmarks, rtol=0, atol=1e-4)
+            assert x.score == pytest.approx(y.score, abs=1e-6)  # measured 1.2e-7 (one float32 step below 1)
     assert together[0][0].score == together[3][0].score
 
 
