@@ -136,3 +136,11 @@ def test_plan_fields_and_rounding():
     assert steps_per_epoch(20, 20) == 1 and steps_per_epoch(19, 20) == 0
     with pytest.raises(FacepipeError, match=r"^19 training samples do not fill one optimizer step of 20 \(train.batch_size 10 x 2 processes x train.accum_steps 1\)$"):
         make_plan(params, num_samples=19, world_size=2)
+
+
+def test_scheduler_defaults_and_power_reach_the_factor():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    default = build_scheduler(optimizer, total_steps=4, warmup_steps=0, decay="poly")  # power 2, min_ratio 0
+    assert [default.lr_lambdas[0](s) for s in range(5)] == pytest.approx([1.0, 0.5625, 0.25, 0.0625, 0.0])
+    linear = build_scheduler(optimizer, total_steps=4, warmup_steps=0, decay="poly", power=1.0)
+    assert [linear.lr_lambdas[0](s) for s in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
