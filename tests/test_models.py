@@ -98,7 +98,9 @@ def test_gradient_checkpointing_changes_memory_not_results(name: str, monkeypatc
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
     for (key, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters()):
         if a.requires_grad:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=key)
+            # Recomputation runs the same kernels on the same inputs in one thread (autouse fixture): the
+            # gradients are bit-identical (measured, every backbone), so any difference is a bug.
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=key)
     # recomputation in backward must not count the batch twice in BatchNorm statistics
     for (key, a), (_, b) in zip(plain.named_buffers(), checkpointed.named_buffers()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=key)
