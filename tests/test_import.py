@@ -107,7 +107,7 @@ def header_pack(tmp_path):
 def test_pack_with_header_imports_verifies_and_loads(header_pack, tmp_path):
     folder, by_key = header_pack
     out = tmp_path / "set"
-    report = import_rec.run(PARAMS, folder, out, progress=False)
+    report = import_rec.run(PARAMS, folder, out, workers=1, progress=False)
     assert report["counts"] == {"scanned": 13, "accepted": 9, "rejected": 4}
     assert rejects(out) == {
         "1/train.rec#4": "label_mismatch",
@@ -147,7 +147,7 @@ def test_pack_without_header_continuation_and_a_truncated_last_record(tmp_path):
     assert M + struct.pack("<I", (1 << 29) | (24 + len(jpeg) + (-len(jpeg) % 4))) in rec  # a first part
     (folder / "train.rec").write_bytes(rec[:-30])  # cut inside the last record
     out = tmp_path / "set"
-    report = import_rec.run(PARAMS, folder / "train.rec", out, progress=False)
+    report = import_rec.run(PARAMS, folder / "train.rec", out, workers=1, progress=False)
     assert report["counts"] == {"scanned": 5, "accepted": 4, "rejected": 1}
     reject = json.loads((out / "rejects.jsonl").read_text())
     assert reject["path"] == "train.rec#4" and reject["reason"] == "truncated_record" and "file ends" in reject["detail"]
@@ -163,7 +163,7 @@ def test_pack_without_header_continuation_and_a_truncated_last_record(tmp_path):
 def test_export_rec_gives_insightface_s_layout_and_imports_back(header_pack, tmp_path):
     folder, _ = header_pack
     first = tmp_path / "set"
-    import_rec.run(PARAMS, folder, first, progress=False)
+    import_rec.run(PARAMS, folder, first, workers=1, progress=False)
     exported = tmp_path / "export"
     summary = export_rec.run(first, exported, progress=False)
     assert summary["num_images"] == 9 and summary["num_identities"] == 3
@@ -178,11 +178,25 @@ def test_export_rec_gives_insightface_s_layout_and_imports_back(header_pack, tmp
     assert [int(a) for a, _ in ranges] == [1] + [int(b) for _, b in ranges[:-1]] and ranges[-1][1] == 10.0
     assert [label for label, _ in read] == [label for label in range(3) for _ in range(int(ranges[label][1] - ranges[label][0]))]
     again = tmp_path / "again"
-    import_rec.run(PARAMS, exported, again, progress=False)
+    import_rec.run(PARAMS, exported, again, workers=1, progress=False)
     assert json.loads((again / "labels.json").read_text()) == json.loads((first / "labels.json").read_text())
     assert sorted(records(again).values()) == sorted(records(first).values())
     assert verify(again) == []
     export_rec.run(first, exported, progress=False)  # its own output is replaced
+
+
+@pytest.mark.multiprocess
+def test_two_dask_workers_write_the_same_bytes_as_one(header_pack, tmp_path, monkeypatch):
+    folder, _ = header_pack
+    monkeypatch.setattr(import_rec, "CHUNK_RECORDS", 3)  # 5 chunks over 2 workers
+    import_rec.run(PARAMS, folder, tmp_path / "one", workers=1, progress=False)
+    report = import_rec.run(PARAMS, folder, tmp_path / "two", workers=2, progress=False)
+    assert report["workers"] == 2 and report["scheduler"] == "local"
+    written = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    assert written == sorted(p.relative_to(tmp_path / "two") for p in (tmp_path / "two").rglob("*") if p.is_file())
+    for path in written:
+        if path.name != "report.json":
+            assert (tmp_path / "one" / path).read_bytes() == (tmp_path / "two" / path).read_bytes(), path
 
 
 def test_prealigned_detector_copies_112_crops_and_pads_96_wide_ones():

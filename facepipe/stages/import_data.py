@@ -30,7 +30,7 @@ def run(
     """Import ``source`` (a RecordIO pack or a folder of aligned crops) into the shard set ``out``;
     returns the run report. ``prepare_options`` go to :func:`facepipe.stages.prepare.run` (folders only)."""
     if import_rec.is_pack(source):
-        return import_rec.run(params, source, out, progress=progress)
+        return import_rec.run(params, source, out, workers=workers, progress=progress)
     if not Path(source).is_dir():
         raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
     aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
@@ -46,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("source", type=Path, metavar="SOURCE", help="a .rec file, a folder with train.rec, or identity/image folders of aligned faces")
     parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
     add_params_argument(parser)
-    parser.add_argument("--workers", type=int, default=None, metavar="N", help="folders: local worker processes (default: one per core)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="local worker processes (default: one per core; 1: packs are read in this process)")
     parser.set_defaults(func=_main)
 
 
