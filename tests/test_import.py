@@ -266,3 +266,15 @@ def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, setup, args
     assert "\n" not in err and message in err, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     assert (tmp_path / "user" / "mine.txt").read_text() == "keep me" if setup else True
+
+
+def test_cli_import_inspect_and_export_rec(tmp_path, capsys):
+    write_pack(tmp_path / "pack", [(0, crop(1)), (0, crop(2)), (1, crop(3))], header=True)
+    out, exported = tmp_path / "set", tmp_path / "exported"
+    assert main(["import", str(tmp_path / "pack"), str(out), "--workers", "1", "--params", str(_params(tmp_path))]) == 0
+    assert "import: scanned 3, accepted 3, rejected 0; 2 identities in 1 shard(s)" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 0 and main(["verify", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["export-rec", str(out), str(exported)]) == 0
+    assert "export-rec: 3 images of 2 identities (112x112)" in capsys.readouterr().out
+    assert sorted(p.name for p in exported.iterdir()) == ["export.json", "property.txt", "train.idx", "train.rec"]
