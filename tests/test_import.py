@@ -246,6 +246,7 @@ def _params(tmp_path: Path) -> Path:
         ("pack", ["import", "{tmp}/pack", "{tmp}/user"], "refusing to replace"),
         ("badidx", ["import", "{tmp}/pack", "{tmp}/out"], "line 2 is not 'key<TAB>offset'"),
         ("badheader", ["import", "{tmp}/pack", "{tmp}/out"], "record 0 (the header of an insightface pack) is unreadable"),
+        ("badrange", ["import", "{tmp}/pack", "{tmp}/out"], "header record 0 promises 99 images, the index holds 5 keys"),
         (None, ["export-rec", "{tmp}/nothing", "{tmp}/out"], "shard set not found"),
         ("pack", ["export-rec", "{tmp}/pack", "{tmp}/out"], "not a prepared shard set"),
     ],
@@ -257,6 +258,12 @@ def test_cli_errors_are_one_line_and_write_nothing(tmp_path, capsys, setup, args
         (tmp_path / "user" / "mine.txt").write_text("keep me")
     if setup == "badidx":
         (tmp_path / "pack" / "train.idx").write_text("0\t0\n1\tnope\n")
+    if setup == "badrange":
+        write_pack(tmp_path / "pack", [(0, crop(1)), (0, crop(2))], header=False)
+        with RecordIOWriter(tmp_path / "pack" / "train.rec", tmp_path / "pack" / "train.idx") as writer:
+            writer.write(0, pack(IRHeader(2, (100.0, 101.0)), b""))
+            for key in range(1, 5):
+                writer.write(key, pack(IRHeader(0, 0.0, key), crop(key)))
     if setup == "badheader":
         rec = tmp_path / "pack" / "train.rec"
         rec.write_bytes(b"\0" * 8 + rec.read_bytes()[8:])

@@ -170,6 +170,8 @@ def _header_record(handle: IO[bytes], offsets: dict[int, int]) -> tuple[int, int
     images_end, identities_end = (int(v) for v in header.label[:2])
     if not 1 <= images_end <= identities_end:
         raise FacepipeError(f"header record 0 gives impossible ranges {header.label[:2]}")
+    if images_end - 1 > 2 * len(offsets):  # a few missing keys are rejects; this many is a wrong header
+        raise FacepipeError(f"header record 0 promises {images_end - 1} images, the index holds {len(offsets)} keys")
     return images_end, identities_end
 
 
