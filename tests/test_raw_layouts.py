@@ -28,6 +28,7 @@ from facepipe.data.extract import process_chunk
 from facepipe.data.scan import scan_raw, unescape_path
 from facepipe.io import ShardSet
 from facepipe.stages import prepare
+from facepipe.stages.inspect import verify
 from rawdata import TEST_PARAMS, StandInDetector, astronaut, hopper, jpeg_bytes, save, variant
 
 SET_FILES = ("manifest.json", "labels.json", "rejects.jsonl")
@@ -217,6 +218,7 @@ def test_prepare_completes_on_a_hostile_tree_of_real_photos(tmp_path, monkeypatc
     assert json.loads((outs[0] / "labels.json").read_text(encoding="utf-8")) == ["astro", "hopper", "jos\\xe9"]
     dup = next(r for r in rejects if r["reason"] == "duplicate")
     assert dup["detail"] == "same bytes as astro/0001.jpg (another identity)"
+    assert verify(outs[0]) == []  # escaped paths and folder rejects pass every cross-check
     # the same tree gives the same bytes: escaped names are stable across runs
     for name in SET_FILES:
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
