@@ -285,3 +285,19 @@ def test_cli_import_inspect_and_export_rec(tmp_path, capsys):
     assert main(["export-rec", str(out), str(exported)]) == 0
     assert "export-rec: 3 images of 2 identities (112x112)" in capsys.readouterr().out
     assert sorted(p.name for p in exported.iterdir()) == ["export.json", "property.txt", "train.idx", "train.rec"]
+
+
+def test_missing_and_stray_keys_are_rejects_and_a_pack_without_idx_is_scanned(tmp_path):
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(1)), (0, crop(2)), (1, crop(3))], header=True)
+    lines = (folder / "train.idx").read_text().splitlines()
+    end = int(lines[-1].split()[1])
+    kept = [line for line in lines if not line.startswith("2\t")] + [f"99\t{end}", lines[1]]  # key 1 listed twice
+    (folder / "train.idx").write_text("\n".join(kept) + "\n")
+    report = import_rec.run(PARAMS, folder, tmp_path / "set", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 4, "accepted": 2, "rejected": 2}
+    assert rejects(tmp_path / "set") == {"train.rec#2": "missing_record", "train.rec#99": "bad_record"}
+    (folder / "train.idx").unlink()
+    report = import_rec.run(PARAMS, folder, tmp_path / "scanned", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 3, "accepted": 3, "rejected": 0}  # keys are positions: header, images, ids
+    assert sorted(records(tmp_path / "scanned")) == ["0/train.rec#1", "0/train.rec#2", "1/train.rec#3"]

@@ -130,22 +130,33 @@ def read_record(handle: IO[bytes], offset: int) -> bytes:
         expect_first = False
 
 
-def read_index(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
-    """``(key, offset)`` of every line of a .idx file, in file order. Raises RecordIOError naming the line."""
-    entries = []
+def read_index(path: str | os.PathLike[str]) -> np.ndarray:
+    """[N, 2] int64 ``(key, offset)`` of every line of a .idx file, in file order (blank lines
+    skipped). Parsed in blocks, so a 5M-line index costs 80 MB. Raises RecordIOError naming the line."""
+    blocks, line_number = [], 1
     with open(path, encoding="ascii", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            fields = line.split()
+        while lines := handle.readlines(_INDEX_BLOCK_BYTES):
             try:
-                key, offset = int(fields[0]), int(fields[1])
-                if len(fields) != 2 or key < 0 or offset < 0:
+                block = np.array([line.split() for line in lines if line.strip()], dtype=np.int64).reshape(-1, 2)
+                if (block < 0).any():
                     raise ValueError
-            except (ValueError, IndexError):
-                raise RecordIOError(f"{path} line {number} is not 'key<TAB>offset': {line.strip()[:60]!r}") from None
-            entries.append((key, offset))
-    return entries
+            except ValueError:
+                _raise_bad_line(path, lines, line_number)
+            blocks.append(block)
+            line_number += len(lines)
+    return np.concatenate(blocks) if blocks else np.zeros((0, 2), dtype=np.int64)
+
+
+_INDEX_BLOCK_BYTES = 8 << 20
+
+
+def _raise_bad_line(path: str | os.PathLike[str], lines: list[str], first_number: int) -> None:
+    """Raise RecordIOError naming the first line of ``lines`` that is not ``key<TAB>offset``."""
+    for number, line in enumerate(lines, start=first_number):
+        fields = line.split()
+        if fields and not (len(fields) == 2 and all(field.isdigit() for field in fields)):
+            raise RecordIOError(f"{path} line {number} is not 'key<TAB>offset': {line.strip()[:60]!r}")
+    raise RecordIOError(f"{path} lines {first_number}-{first_number + len(lines) - 1} do not parse")
 
 
 def scan_offsets(path: str | os.PathLike[str]) -> Iterator[int]:

@@ -122,45 +122,69 @@ IN_PROCESS_BELOW = 20_000
 
 @dataclass(frozen=True)
 class Layout:
-    """What a pack holds: the images to read, in order; whether it has a header record; and keys
-    that are neither header, image nor identity records (``stray``, rejected)."""
+    """What a pack holds, as arrays (16-24 bytes an image, whatever the pack's size): ``keys`` [N]
+    int64 image keys in reading order, ``offsets`` [N] int64 (-1: the .idx lacks the key),
+    ``expected`` [N] int64 identity the header's ranges give (-1: none); whether the pack has a
+    header record; and ``stray`` [S] int64 keys that are neither header, image nor identity records."""
 
-    images: list[ImageRef]
+    keys: np.ndarray
+    offsets: np.ndarray
+    expected: np.ndarray
     header: bool
-    stray: list[int]
+    stray: np.ndarray
+
+    def chunks(self, size: int) -> Iterator[list[ImageRef]]:
+        """The images in reading order, ``size`` at a time (made as they are asked for)."""
+        for start in range(0, len(self.keys), size):
+            part = slice(start, start + size)
+            columns = (self.keys[part].tolist(), self.offsets[part].tolist(), self.expected[part].tolist())
+            yield [(k, o if o >= 0 else None, e if e >= 0 else None) for k, o, e in zip(*columns)]
 
 
 def read_layout(pack: RecPack, handle: IO[bytes]) -> Layout:
     """The pack's layout from its .idx and header record (arcface_torch's ``MXFaceDataset`` rules:
     record 0 with flag > 0 is a header, else every key is an image). Raises FacepipeError."""
     try:
-        entries = read_index(pack.idx) if pack.idx else list(enumerate(scan_offsets(pack.rec)))
+        entries = read_index(pack.idx) if pack.idx else np.array(list(enumerate(scan_offsets(pack.rec))), dtype=np.int64)
     except RecordIOError as error:
         raise FacepipeError(str(error)) from None
-    offsets: dict[int, int] = {}
-    for key, offset in entries:
-        if offsets.setdefault(key, offset) != offset:
-            raise FacepipeError(f"key {key} appears twice in {pack.idx} with different offsets")
-    if not offsets:
+    if not len(entries):
         raise FacepipeError(f"no records in {pack.idx or pack.rec}")
-    first = _header_record(handle, offsets)
+    keys, offsets = entries[:, 0], entries[:, 1]
+    unique, first_at = np.unique(keys, return_index=True)
+    order = np.lexsort((offsets, keys))
+    clash = (keys[order][1:] == keys[order][:-1]) & (offsets[order][1:] != offsets[order][:-1])
+    if clash.any():
+        raise FacepipeError(f"key {keys[order][1:][clash][0]} appears twice in {pack.idx} with different offsets")
+
+    def offset_of(wanted: np.ndarray) -> np.ndarray:
+        at = np.minimum(np.searchsorted(unique, wanted), len(unique) - 1)
+        return np.where(unique[at] == wanted, offsets[first_at][at], -1)
+
+    first = _header_record(handle, int(offset_of(np.array([0]))[0]), keys=len(unique))
     if first is None:
-        return Layout([(key, offsets[key], None) for key in dict.fromkeys(k for k, _ in entries)], False, [])
+        in_file_order = np.sort(first_at)
+        none = np.full(len(in_file_order), -1, dtype=np.int64)
+        return Layout(keys[in_file_order], offsets[in_file_order], none, False, np.zeros(0, dtype=np.int64))
     images_end, identities_end = first
-    identity_of: dict[int, int] = {}
-    for key in range(images_end, identities_end):
-        identity_of.update(_identity_range(handle, offsets.get(key), key=key, identity=key - images_end))
-    images = [(key, offsets.get(key), identity_of.get(key)) for key in range(1, images_end)]
-    stray = sorted(key for key in offsets if not 0 <= key < identities_end)
-    return Layout(images, True, stray)
+    image_keys = np.arange(1, images_end, dtype=np.int64)
+    expected = np.full(len(image_keys), -1, dtype=np.int64)
+    identity_keys = np.arange(images_end, identities_end, dtype=np.int64)
+    for key, offset in zip(identity_keys.tolist(), offset_of(identity_keys).tolist()):
+        key_range = _identity_range(handle, offset if offset >= 0 else None, key=key)
+        if key_range is not None:
+            expected[max(key_range[0], 1) - 1 : max(min(key_range[1], images_end), 1) - 1] = key - images_end
+    stray = unique[unique >= identities_end]
+    return Layout(image_keys, offset_of(image_keys), expected, True, stray)
 
 
-def _header_record(handle: IO[bytes], offsets: dict[int, int]) -> tuple[int, int] | None:
-    """``(first identity key, end of identity keys)`` of the header record 0, or None without one."""
-    if 0 not in offsets:
+def _header_record(handle: IO[bytes], offset: int, *, keys: int) -> tuple[int, int] | None:
+    """``(first identity key, end of identity keys)`` of the header record 0 (at ``offset``, -1: no
+    key 0), or None without one. ``keys``: how many keys the index holds."""
+    if offset < 0:
         return None
     try:
-        header, _ = unpack(read_record(handle, offsets[0]))
+        header, _ = unpack(read_record(handle, offset))
     except RecordIOError as error:
         raise FacepipeError(f"record 0 (the header of an insightface pack) is unreadable: {error}") from None
     if header.flag == 0:
@@ -170,23 +194,22 @@ def _header_record(handle: IO[bytes], offsets: dict[int, int]) -> tuple[int, int
     images_end, identities_end = (int(v) for v in header.label[:2])
     if not 1 <= images_end <= identities_end:
         raise FacepipeError(f"header record 0 gives impossible ranges {header.label[:2]}")
-    if images_end - 1 > 2 * len(offsets):  # a few missing keys are rejects; this many is a wrong header
-        raise FacepipeError(f"header record 0 promises {images_end - 1} images, the index holds {len(offsets)} keys")
+    if images_end - 1 > 2 * keys:  # a few missing keys are rejects; this many is a wrong header
+        raise FacepipeError(f"header record 0 promises {images_end - 1} images, the index holds {keys} keys")
     return images_end, identities_end
 
 
-def _identity_range(handle: IO[bytes], offset: int | None, *, key: int, identity: int) -> dict[int, int]:
-    """{image key: identity} of one identity record (empty, with a warning, when it is unreadable:
+def _identity_range(handle: IO[bytes], offset: int | None, *, key: int) -> tuple[int, int] | None:
+    """``[first, end)`` image keys of one identity record (None, with a warning, when it is unreadable:
     its images then keep just their own labels)."""
     try:
         if offset is None:
             raise RecordIOError("missing from the .idx")
         header, _ = unpack(read_record(handle, offset))
-        start, end = int(header.label[0]), int(header.label[1])  # type: ignore[index]
+        return int(header.label[0]), int(header.label[1])  # type: ignore[index]
     except (RecordIOError, TypeError, IndexError, ValueError) as error:
         log.warning("identity record %d unreadable (%s): its images are checked against their own labels only", key, error)
-        return {}
-    return dict.fromkeys(range(start, end), identity)
+        return None
 
 
 def import_chunk(pack: RecPack, chunk: list[ImageRef], params: PrepareParams) -> list[Outcome]:
@@ -197,7 +220,7 @@ def import_chunk(pack: RecPack, chunk: list[ImageRef], params: PrepareParams) ->
 
 def _stray_outcomes(pack: RecPack, layout: Layout) -> list[Outcome]:
     detail = "the key lies outside the header record's image and identity ranges"
-    return [Outcome(f"{pack.rec.name}#{key}", None, reason="bad_record", detail=detail) for key in layout.stray]
+    return [Outcome(f"{pack.rec.name}#{key}", None, reason="bad_record", detail=detail) for key in layout.stray.tolist()]
 
 
 def _image_outcome(
@@ -273,13 +296,12 @@ def run(
     check_output(out, kind=SHARD_SET, sources={"pack folder": source} if Path(source).is_dir() else files)
     with open(pack.rec, "rb") as handle, atomic_output_dir(out, kind=SHARD_SET) as tmp:
         layout = read_layout(pack, handle)
-        scanned = len(layout.images) + len(layout.stray)
+        scanned = len(layout.keys) + len(layout.stray)
         builder = SetBuilder(tmp, params)
-        chunks = [layout.images[i : i + CHUNK_RECORDS] for i in range(0, len(layout.images), CHUNK_RECORDS)]
-        n_workers = workers or (default_workers() if len(layout.images) >= IN_PROCESS_BELOW else 1)
+        n_workers = workers or (default_workers() if len(layout.keys) >= IN_PROCESS_BELOW else 1)
         try:
             with _submitter(pack, params, n_workers) as submit, Progress(scanned, desc="import", enabled=progress) as bar:
-                for outcomes in ordered_results(submit, chunks, window=2 * n_workers + 1):
+                for outcomes in ordered_results(submit, layout.chunks(CHUNK_RECORDS), window=2 * n_workers + 1):
                     for outcome in outcomes:
                         builder.add(outcome)
                     bar.update(len(outcomes))
