@@ -127,3 +127,21 @@ def test_a_chunk_holds_a_bounded_number_of_decoded_pixels(tmp_path, monkeypatch)
     assert len(detector.calls) == 4 and len(detector.calls[-1]) == 6
     assert [o.header for o in bounded] == [o.header for o in whole] and all(o.accepted for o in whole)
     assert [o.payload for o in bounded] == [o.payload for o in whole]
+
+
+def test_a_file_larger_than_any_allowed_image_is_rejected_unread(tmp_path, monkeypatch):
+    """A 17 MB file (sparse: no disk used) when max_pixels=1000 allows at most 8 kB + 16 MiB: its size
+    alone rejects it, before a byte is read into the worker."""
+    (tmp_path / "a").mkdir()
+    with open(tmp_path / "a" / "huge.jpg", "wb") as handle:
+        handle.truncate(17 << 20)
+    monkeypatch.setattr(extract, "get_detector", lambda *a, **k: StandInDetector())
+    tracemalloc.start()
+    try:
+        (outcome,) = process_chunk(["a/huge.jpg"], str(tmp_path), PrepareParams(max_pixels=1000, min_face_size=12), "cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (outcome.reason, outcome.sha256) == ("file_too_large", None)
+    assert outcome.detail == "17825792 bytes; an image of max_pixels=1000 takes at most 16785216"
+    assert peak < 1 << 20

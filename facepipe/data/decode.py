@@ -83,6 +83,12 @@ def _check_complete_jpeg(pil: Image.Image) -> None:
     raise Reject("unreadable", f"the last {count} of {pil.height} rows are decoder fill: the data ends before the image does")
 
 
+def max_file_bytes(max_pixels: int) -> int:
+    """The most bytes an image of ``max_pixels`` can take: 8 a pixel (16-bit RGBA, uncompressed) plus
+    16 MiB of metadata. A bigger file is refused unread, so a worker never holds more of one file."""
+    return 8 * max_pixels + (16 << 20)
+
+
 def header_pixels(data: bytes) -> int:
     """Width x height from the image header alone, without decoding; 0 when the header does not
     parse (:func:`load_image` then says why)."""

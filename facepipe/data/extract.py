@@ -22,8 +22,8 @@ import numpy as np
 
 from facepipe.alignment import align_face
 from facepipe.config import PrepareParams
-from facepipe.data.decode import Reject, header_pixels, load_image
-from facepipe.data.scan import ScanItem, read_raw_file
+from facepipe.data.decode import Reject, header_pixels, load_image, max_file_bytes
+from facepipe.data.scan import FileTooLarge, ScanItem, read_raw_file
 from facepipe.detection import Detector, Face, create_detector, select_face
 from facepipe.io.records import encode_image
 
@@ -107,20 +107,22 @@ def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device
     batch: list[tuple[int, str, np.ndarray]] = []
     held = 0
     for index, path in enumerate(paths):
-        read = _read(path, raw_root)
+        read = _read(path, raw_root, params)
         if isinstance(read, Outcome):
             outcomes[index] = read
             continue
+        sha, data = read
         # flush before decoding: the image being decoded counts against the budget too
-        pixels = header_pixels(read[1])
+        pixels = header_pixels(data)
         if batch and held + pixels > DECODE_BUDGET_PIXELS:
             outcomes.update(_detect_and_align(batch, paths, params, device))
             batch, held = [], 0
-        decoded = _decode(path, *read, params)
+        decoded = _decode(path, sha, data, params)
+        del read, data  # the file's bytes are not kept while the next one is read
         if isinstance(decoded, Outcome):
             outcomes[index] = decoded
             continue
-        batch.append((index, read[0], decoded))
+        batch.append((index, sha, decoded))
         held += pixels
     if batch:
         outcomes.update(_detect_and_align(batch, paths, params, device))
@@ -137,12 +139,16 @@ def with_scan_rejects(chunk: Sequence[ScanItem], processed: Sequence[Outcome]) -
     return outcomes
 
 
-def _read(path: str, raw_root: str) -> Outcome | tuple[str, bytes]:
+def _read(path: str, raw_root: str, params: PrepareParams) -> Outcome | tuple[str, bytes]:
     """``(sha256, bytes)`` of one file, or its reject."""
     if "/" not in path:
         return Outcome(path, None, reason="outside_identity_folder", detail="file is not inside an identity folder")
+    limit = max_file_bytes(params.max_pixels)
     try:
-        data = read_raw_file(raw_root, path)
+        data = read_raw_file(raw_root, path, max_bytes=limit)
+    except FileTooLarge as error:
+        detail = f"{error.size} bytes; an image of max_pixels={params.max_pixels} takes at most {limit}"
+        return Outcome(path, None, reason="file_too_large", detail=detail)
     except OSError as error:
         return Outcome(path, None, reason="io_error", detail=f"{type(error).__name__}: {error.strerror}")
     return hashlib.sha256(data).hexdigest(), data

@@ -64,13 +64,25 @@ def unescape_path(path: str) -> bytes:
     return bytes(out)
 
 
-def read_raw_file(root: str | Path, path: str) -> bytes:
+class FileTooLarge(Exception):
+    """A file of ``size`` bytes, more than the reader's limit: refused before any byte is read."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"{size} bytes")
+        self.size = size
+
+
+def read_raw_file(root: str | Path, path: str, *, max_bytes: int | None = None) -> bytes:
     """The bytes of the scanned file ``path`` (escaped, relative to ``root``). Raises OSError, also
-    for anything that is not a regular file: a FIFO is opened without blocking and refused."""
+    for anything that is not a regular file (a FIFO is opened without blocking and refused), and
+    :class:`FileTooLarge` above ``max_bytes``."""
     fd = os.open(os.path.join(os.fsencode(root), unescape_path(path)), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with open(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise FileTooLarge(info.st_size)
         return handle.read()
 
 
