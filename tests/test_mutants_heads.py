@@ -93,3 +93,31 @@ def test_head_arguments_are_checked() -> None:
     assert tuple(head.weight.shape) == (1, 1)
     assert "(\n  embedding_size=1, num_classes=1, scale=0.001\n" in repr(head)
     assert sorted(list_heads()) == list_heads()
+
+
+def test_heads_defaults_and_initial_centres(one_rank_group: None) -> None:
+    # defaults by name: scale 64 for both head kinds, the margin's own default; centres drawn from N(0, 0.01²)
+    dense = create_head("arcface", embedding_size=8, num_classes=2000)
+    sharded = create_model_parallel_head("cosface", embedding_size=8, num_classes=2000)
+    assert (dense.scale, dense.margin.margin, sharded.scale, sharded.margin.margin) == (64.0, 0.5, 64.0, 0.35)
+    for head in (dense, sharded):
+        assert tuple(head.weight.shape) == (2000, 8)
+        # 16,000 draws: the sample std of N(0, 0.01²) is within 3 % of 0.01 (about 5 standard errors)
+        assert abs(head.weight.std().item() - 0.01) < 3e-4 and abs(head.weight.mean().item()) < 1e-3
+
+
+def test_model_parallel_head_class_count_against_the_ranks(one_rank_group: None) -> None:
+    from facepipe.heads.margins import CosFaceMargin
+    from facepipe.heads.model_parallel import ModelParallelMarginHead
+
+    head = create_model_parallel_head("cosface", embedding_size=2, num_classes=1)  # as many classes as ranks
+    assert (head.class_start, head.num_local) == (0, 1)
+    with pytest.raises(ValueError, match=r"^num_classes \(0\) must be at least the number of ranks \(1\)$"):
+        ModelParallelMarginHead(CosFaceMargin(), embedding_size=2, num_classes=0, scale=1.0)
+
+
+def test_model_parallel_head_without_a_process_group_says_so() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="^the model-parallel head needs an initialized process group$"):
+        create_model_parallel_head("arcface", embedding_size=2, num_classes=2)

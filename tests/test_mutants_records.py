@@ -5,13 +5,25 @@
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zlib
 
+import numpy as np
 import pytest
+from PIL import Image, JpegImagePlugin
 
-from facepipe.io.records import RecordError, decode_header, decode_record, encode_record, payload_offset
+from facepipe.io.records import (
+    RecordError,
+    decode_header,
+    decode_image,
+    decode_record,
+    encode_image,
+    encode_record,
+    payload_offset,
+    unsafe_path_reason,
+)
 
 HEADER = {"path": "b/c.jpg", "label": 7}
 PAYLOAD = b"\xff\xd8 image bytes \xff\xd9"
@@ -64,3 +76,80 @@ def test_short_truncated_and_foreign_records() -> None:
         payload_offset(by_hand(HEADER, PAYLOAD, version=1))
     with pytest.raises(RecordError, match=r"^record version 3 is not supported \(this facepipe reads 2\)$"):
         payload_offset(by_hand(HEADER, PAYLOAD, version=3))
+
+
+def raw_record(head: bytes, payload: bytes = b"") -> bytes:
+    """A version-2 record around arbitrary header bytes, CRC included."""
+    before = b"FPR\x02" + struct.pack("<I", len(head))
+    return before + struct.pack("<I", zlib.crc32(before + head + payload)) + head + payload
+
+
+def test_headers_that_are_not_json_objects() -> None:
+    with pytest.raises(RecordError, match=r"^record header is not JSON \(Expecting value: line 1 column 1 \(char 0\)\)$"):
+        decode_header(raw_record(b"nope"))
+    with pytest.raises(RecordError, match="^record header is not a JSON object$"):
+        decode_header(raw_record(b"[1, 2]"))
+    assert decode_header(raw_record(b"{}", b"xy")) == ({}, 14)
+    # exactly the 12-byte prefix of a record whose header is longer: truncated, not "too short"
+    with pytest.raises(RecordError, match="^record truncated inside its header$"):
+        payload_offset(encode_record(HEADER, PAYLOAD)[:12], verify=False)
+
+
+def test_record_image_decodes_its_payload() -> None:
+    image = np.random.default_rng(0).integers(0, 256, (6, 5, 3), dtype=np.uint8)
+    record = decode_record(encode_record(HEADER, encode_image(image, encoding="png")))
+    np.testing.assert_array_equal(record.image(), image)
+
+
+def _jpeg(data: bytes) -> Image.Image:
+    pil = Image.open(io.BytesIO(data))
+    assert pil.format == "JPEG"
+    return pil
+
+
+def test_jpeg_default_quality_and_chroma_subsampling() -> None:
+    image = np.random.default_rng(1).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    # the documented default is JPEG at quality 95: the same quantization tables as Pillow's quality 95
+    reference = io.BytesIO()
+    Image.fromarray(image).save(reference, format="JPEG", quality=95)
+    assert _jpeg(encode_image(image)).quantization == Image.open(reference).quantization
+    # full-resolution colour (4:4:4, sampling 0) from quality 90 up, 4:2:0 (sampling 2) below
+    assert JpegImagePlugin.get_sampling(_jpeg(encode_image(image, quality=90))) == 0
+    assert JpegImagePlugin.get_sampling(_jpeg(encode_image(image, quality=89))) == 2
+
+
+def test_png_is_lossless_for_any_memory_layout_and_other_encodings_are_refused() -> None:
+    image = np.random.default_rng(2).integers(0, 256, (7, 9, 3), dtype=np.uint8)
+    mirrored = image[:, ::-1]  # a strided view
+    data = encode_image(mirrored, encoding="png")
+    assert Image.open(io.BytesIO(data)).format == "PNG"
+    np.testing.assert_array_equal(decode_image(data), mirrored)
+    with pytest.raises(ValueError, match="^unknown encoding 'gif'$"):
+        encode_image(image, encoding="gif")
+
+
+def test_decode_image_gives_rgb_whatever_the_stored_mode() -> None:
+    grey = io.BytesIO()
+    Image.fromarray(np.array([[0, 128], [255, 7]], dtype=np.uint8), mode="L").save(grey, format="PNG")
+    np.testing.assert_array_equal(decode_image(grey.getvalue()), np.repeat([[[0], [128]], [[255], [7]]], 3, axis=2))
+
+
+@pytest.mark.parametrize(
+    ("path", "reason"),
+    [
+        ("a/b.jpg", None),
+        ("b.jpg", None),
+        ("a..b/c.d", None),
+        ("", "empty or not a string"),
+        (None, "empty or not a string"),
+        (b"a.jpg", "empty or not a string"),
+        ("a/\0b", "contains a NUL byte"),
+        ("/a/b", "absolute"),
+        ("a//b", "has an empty, '.' or '..' part"),
+        ("a/./b", "has an empty, '.' or '..' part"),
+        ("../b", "has an empty, '.' or '..' part"),
+        ("a/", "has an empty, '.' or '..' part"),
+    ],
+)
+def test_unsafe_path_reasons(path: object, reason: str | None) -> None:
+    assert unsafe_path_reason(path) == reason

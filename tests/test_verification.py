@@ -1,10 +1,26 @@
-"""Verification metrics against hand-computed cases and brute-force definitions."""
+"""Verification metrics against hand-computed cases and brute-force definitions; pair sampling and pair
+files (evaluation/pairs.py) against hand-worked cases.
+
+Error messages and notes are matched whole: they are what a user reads when split or evaluate refuses an
+input, so a garbled one is a bug (the policy in tests/README.md).
+"""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 
+from facepipe.evaluation.pairs import (
+    NamedPair,
+    Pair,
+    format_pairs_jsonl,
+    holdout_count,
+    parse_lfw_pairs,
+    parse_pairs_jsonl,
+    sample_pairs,
+)
 from facepipe.evaluation.verification import (
     best_threshold,
     cosine_scores,
@@ -194,3 +210,167 @@ def test_kfold_accuracy_uses_ten_folds_by_default() -> None:
     scores = np.linspace(0, 1, 20)
     accuracies, thresholds = kfold_accuracy(scores, same)
     assert len(accuracies) == len(thresholds) == 10
+
+
+# --- evaluation/pairs.py: hold-out, pair sampling, pair files ----------------------------------------
+
+
+def _pair_labels(sizes: list[int]) -> np.ndarray:
+    return np.repeat(np.arange(len(sizes)), sizes).astype(np.int64)
+
+
+# --- hold-out ---------------------------------------------------------------------------------------
+
+
+def test_holdout_count_limits_and_messages() -> None:
+    assert holdout_count(3, 2) == 2  # the smallest hold-out, leaving one identity to train on
+    assert holdout_count(10, 0.3) == 3 and holdout_count(10, 0.35) == 4  # round(3.5) = 4
+    with pytest.raises(ValueError, match=r"^hold-out of 0\.01 gives 0 identities; verification needs at least 2$"):
+        holdout_count(40, 0.01)
+    with pytest.raises(ValueError, match=r"^hold-out of 1 gives 1 identities; verification needs at least 2$"):
+        holdout_count(40, 1)
+    with pytest.raises(ValueError, match=r"^hold-out of 3 gives 3 of 3 identities; training needs at least 1$"):
+        holdout_count(3, 3)
+
+
+# --- pair sampling ----------------------------------------------------------------------------------
+
+
+def test_few_negatives_are_all_enumerated_exactly() -> None:
+    # identities of 2, 1 and 1 samples (indexes 0-1, 2, 3): 1 same pair; different pairs
+    # (0,2) (0,3) (1,2) (1,3) (2,3) = 5, fewer than 4 x the 1 asked for, so they are enumerated.
+    labels = _pair_labels([2, 1, 1])
+    every = set()
+    for seed in range(40):
+        result = sample_pairs(labels, np.arange(3), num_pairs=2, seed=seed)
+        assert result.indexes.dtype == np.int64 and result.indexes.shape == (2, 2)
+        pairs = {tuple(p) for p in result.indexes[~result.same].tolist()}
+        assert [tuple(p) for p in result.indexes[result.same].tolist()] == [(0, 1)]
+        every |= pairs
+    assert every == {(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)}  # each is drawn by some seed, nothing else
+
+
+def test_all_negatives_of_three_identities_when_all_are_asked_for() -> None:
+    labels = np.array([2, 0, 1, 0, 2, 1], dtype=np.int64)  # identities hold samples {1,3} {2,5} {0,4}
+    result = sample_pairs(labels, np.arange(3), num_pairs=6, seed=0)
+    negatives = {tuple(p) for p in result.indexes[~result.same].tolist()}
+    assert {tuple(p) for p in result.indexes[result.same].tolist()} == {(1, 3), (2, 5), (0, 4)}
+    # 3 asked for, 12 exist: drawn, not enumerated; distinct, smaller index first, different identities
+    assert len(negatives) == 3 and all(a < b and labels[a] != labels[b] for a, b in negatives)
+    # identities {0,1,2} {3} {4}: 3 same pairs asked, 7 different ones exist (< 4 x 3): all enumerated, 3 drawn
+    short = sample_pairs(_pair_labels([3, 1, 1]), np.arange(3), num_pairs=6, seed=0)
+    different = {(a, 3) for a in range(3)} | {(a, 4) for a in range(4)}
+    assert len({tuple(p) for p in short.indexes[~short.same].tolist()} & different) == 3
+
+
+def test_sample_pairs_notes_and_errors_in_full() -> None:
+    result = sample_pairs(_pair_labels([3, 1, 2, 4]), np.arange(4), num_pairs=50, seed=0)
+    assert result.notes == [
+        "1 held-out identities have fewer than 2 samples: no same-identity pairs from them",
+        "only 10 same-identity pairs exist among the held-out samples (25 asked): "
+        "all are used, with as many different-identity pairs",
+    ]
+    few = sample_pairs(_pair_labels([5, 1]), np.arange(2), num_pairs=20, seed=0)
+    assert few.notes == [
+        "1 held-out identities have fewer than 2 samples: no same-identity pairs from them",
+        "only 5 different-identity pairs exist (10 asked): all are used",
+    ]
+    exact = sample_pairs(_pair_labels([5, 2]), np.arange(2), num_pairs=22, seed=0)  # 11 same, 10 different exist
+    assert exact.notes == ["only 10 different-identity pairs exist (11 asked): all are used"]
+    with pytest.raises(ValueError, match="^fewer than 2 held-out identities have samples: no different-identity pairs possible$"):
+        sample_pairs(_pair_labels([5, 0, 0]), np.arange(3), num_pairs=10, seed=0)
+    with pytest.raises(ValueError, match="^no held-out identity has 2 or more samples: no same-identity pairs possible$"):
+        sample_pairs(_pair_labels([1, 1, 1]), np.arange(3), num_pairs=10, seed=0)
+
+
+# --- pairs.jsonl ------------------------------------------------------------------------------------
+
+
+def test_pairs_jsonl_text_and_round_trip() -> None:
+    pairs = [Pair(0, "a/1.jpg", 5, "b/é.jpg", False), Pair(2, "a/2.jpg", 3, "a/3.jpg", True)]
+    text = format_pairs_jsonl(pairs)
+    assert text == (
+        '{"index1": 0, "index2": 5, "path1": "a/1.jpg", "path2": "b/é.jpg", "same": false}\n'
+        '{"index1": 2, "index2": 3, "path1": "a/2.jpg", "path2": "a/3.jpg", "same": true}\n'
+    )
+    assert parse_pairs_jsonl(text) == pairs
+    assert parse_pairs_jsonl("\n" + text + "  \n") == pairs  # blank lines are skipped
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("not json", "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
+        ('{"index1": 0}', "KeyError: 'path1'"),
+        ('{"index1": true, "path1": "a", "index2": 1, "path2": "b", "same": true}', "TypeError: wrong value types"),
+        ('{"index1": 0, "path1": "a", "index2": 1.0, "path2": "b", "same": true}', "TypeError: wrong value types"),
+        ('{"index1": 0, "path1": 1, "index2": 1, "path2": "b", "same": true}', "TypeError: wrong value types"),
+        ('{"index1": 0, "path1": "a", "index2": 1, "path2": null, "same": true}', "TypeError: wrong value types"),
+        ('{"index1": 0, "path1": "a", "index2": 1, "path2": "b", "same": 1}', "TypeError: wrong value types"),
+        ("[1, 2]", "TypeError: list indices must be integers or slices, not str"),
+    ],
+)
+def test_pairs_jsonl_errors_name_the_line(row: str, message: str) -> None:
+    good = format_pairs_jsonl([Pair(0, "a", 1, "b", True)])
+    with pytest.raises(ValueError) as caught:
+        parse_pairs_jsonl(good + "\n" + row + "\n")
+    assert str(caught.value) == f"line 3: not a pair ({message})"
+
+
+# --- LFW pairs.txt ----------------------------------------------------------------------------------
+
+
+def test_lfw_pairs_with_one_count_and_trailing_blank_lines() -> None:
+    assert parse_lfw_pairs("2\nA 1 2\nB 3 4\nA 1 B 2\nB 1 C 1\n\n\n") == [
+        NamedPair("A", 1, "A", 2),
+        NamedPair("B", 3, "B", 4),
+        NamedPair("A", 1, "B", 2),
+        NamedPair("B", 1, "C", 1),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "line 1: expected a header of one or two counts, such as '10 300'"),
+        ("\n\n", "line 1: expected a header of one or two counts, such as '10 300'"),
+        ("10 300 2\n", "line 1: expected a header of one or two counts, such as '10 300'"),
+        ("1 x\nA 1 2\n", "line 1: expected a header of one or two counts, such as '10 300'"),
+        ("1 1\nA 1 2\n", "header '1 1' promises 2 pairs, found 1"),
+        ("1\nA 1 2\nA 1 B 2\nA 1 B 3\n", "header '1' promises 2 pairs, found 3"),
+        ("1 1\nA 1 2\nA x B 2\n", "line 3: expected 'name i j' or 'name1 i name2 j' (invalid literal for int() with base 10: 'x')"),
+        ("1 1\nA 1 y\nA 1 B 2\n", "line 2: expected 'name i j' or 'name1 i name2 j' (invalid literal for int() with base 10: 'y')"),
+        ("1 1\nA 1 2\nA 1 B z\n", "line 3: expected 'name i j' or 'name1 i name2 j' (invalid literal for int() with base 10: 'z')"),
+        ("1 1\nA 1\nA 1 B 2\n", "line 2: expected 'name i j' or 'name1 i name2 j' (2 fields)"),
+        ("1 1\nA 1 2\n\nA 1 B 2\n", "line 3: expected 'name i j' or 'name1 i name2 j' (0 fields)"),
+        ("1 1\nA 1 2 3 4\nA 1 B 2\n", "line 2: expected 'name i j' or 'name1 i name2 j' (5 fields)"),
+        ("1 1\nA 0 2\nA 1 B 2\n", "line 2: image numbers start at 1"),
+        ("1 1\nA 1 2\nA 1 B 0\n", "line 3: image numbers start at 1"),
+    ],
+)
+def test_lfw_pairs_errors_in_full(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_lfw_pairs(text)
+    assert str(caught.value) == message
+
+
+def test_lfw_pairs_numbers_are_read_from_the_right_fields() -> None:
+    assert parse_lfw_pairs("1\nA 3 7\nA 2 B 9\n") == [NamedPair("A", 3, "A", 7), NamedPair("A", 2, "B", 9)]
+    assert json.dumps(parse_lfw_pairs("1\nA 3 7\nA 2 B 9\n")[1].same) == "false"
+
+
+def test_drawn_negatives_spread_evenly_over_identities() -> None:
+    # 4 identities of 50 samples: 1000 different pairs asked, 15,000 exist (>= 4 x 1000): drawn, not
+    # enumerated. Two distinct identities uniformly per pair: each identity is in half of all pairs,
+    # 500 of 1000 (binomial std 16; 440..560 is beyond 3.5 std).
+    labels = _pair_labels([50] * 4)
+    result = sample_pairs(labels, np.arange(4), num_pairs=2000, seed=0)
+    negatives = result.indexes[~result.same]
+    assert len(negatives) == 1000 and len({tuple(p) for p in negatives.tolist()}) == 1000
+    assert np.all(labels[negatives[:, 0]] != labels[negatives[:, 1]])
+    appearances = np.bincount(labels[negatives].ravel(), minlength=4)
+    assert np.all((440 <= appearances) & (appearances <= 560)), appearances
+    # two identities only: every different pair joins them
+    two = sample_pairs(_pair_labels([10, 10]), np.arange(2), num_pairs=20, seed=0)
+    pairs = two.indexes[~two.same]
+    assert len(pairs) == 10 and np.all((pairs[:, 0] < 10) & (pairs[:, 1] >= 10))
