@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from facepipe.heads.centres import init_centres
 from facepipe.heads.margins import Margin, normalized_cosines
-
-_INIT_STD = 0.01
 
 
 class MarginHead(nn.Module):
@@ -17,12 +16,12 @@ class MarginHead(nn.Module):
     replicated like the backbone (DDP averages its gradient too).
     """
 
-    def __init__(self, margin: Margin, *, embedding_size: int, num_classes: int, scale: float) -> None:
+    def __init__(self, margin: Margin, *, embedding_size: int, num_classes: int, scale: float, seed: int = 0) -> None:
         super().__init__()
         self.margin = margin
         self.scale = float(scale)
-        self.weight = nn.Parameter(torch.empty(num_classes, embedding_size))
-        nn.init.normal_(self.weight, std=_INIT_STD)
+        # the same centres as every rank's shard of the sharded head with this seed, together
+        self.weight = nn.Parameter(init_centres(0, num_classes, embedding_size=embedding_size, seed=seed))
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``[B, E]`` float (any precision) and ``[B]`` int64 in [0, C) -> ``[B, C]`` logits.

@@ -25,15 +25,19 @@ def create_head(
     num_classes: int,
     scale: float = 64.0,
     margin: float | None = None,
+    seed: int = 0,
 ) -> MarginHead:
     """A dense margin head: ``head(embeddings [B, E], labels [B]) -> [B, C]`` scaled logits.
 
-    ``margin=None`` takes the head's default (arcface 0.5, cosface 0.35, curricularface 0.5).
+    ``margin=None`` takes the head's default (arcface 0.5, cosface 0.35, curricularface 0.5). The
+    centres come from ``seed`` alone (``heads.centres``), the same as the sharded head's gathered.
     Unknown names raise ``ValueError`` naming the known ones.
     """
     margin_class = HEADS.get(name)
     _check(embedding_size, num_classes, scale)
-    return MarginHead(margin_class(margin), embedding_size=embedding_size, num_classes=num_classes, scale=scale)
+    return MarginHead(
+        margin_class(margin), embedding_size=embedding_size, num_classes=num_classes, scale=scale, seed=seed
+    )
 
 
 def create_model_parallel_head(
@@ -44,10 +48,12 @@ def create_model_parallel_head(
     scale: float = 64.0,
     margin: float | None = None,
     process_group: ProcessGroup | None = None,
+    seed: int = 0,
 ) -> ModelParallelMarginHead:
     """A sharded margin head: ``head(embeddings [B, E], labels [B]) -> scalar loss`` (a collective).
 
-    Needs an initialized process group; each rank holds ``num_classes / world_size`` centres.
+    Needs an initialized process group; each rank holds ``num_classes / world_size`` centres, drawn
+    so that together they equal ``create_head(..., seed=seed)``'s whatever the world size.
     """
     margin_class = HEADS.get(name)
     _check(embedding_size, num_classes, scale)
@@ -57,4 +63,5 @@ def create_model_parallel_head(
         num_classes=num_classes,
         scale=scale,
         process_group=process_group,
+        seed=seed,
     )

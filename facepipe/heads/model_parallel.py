@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from facepipe.heads.centres import init_centres
 from facepipe.heads.margins import Margin, compute_dtype, gather_targets, normalized_cosines
-
-_INIT_STD = 0.01
 
 
 def class_shard(num_classes: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -99,6 +98,7 @@ class ModelParallelMarginHead(nn.Module):
         num_classes: int,
         scale: float,
         process_group: ProcessGroup | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if not (dist.is_available() and dist.is_initialized()):
@@ -114,8 +114,10 @@ class ModelParallelMarginHead(nn.Module):
         # target_cos below already covers the global batch: no second reduction of statistics
         margin.sync_statistics = False
         self.margin = margin
-        self.weight = nn.Parameter(torch.empty(self.num_local, embedding_size))
-        nn.init.normal_(self.weight, std=_INIT_STD)
+        # drawn per block of classes: the gathered centres are the dense head's for this seed, any W
+        self.weight = nn.Parameter(
+            init_centres(self.class_start, self.num_local, embedding_size=embedding_size, seed=seed)
+        )
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``[B, E]`` float and ``[B]`` int64 in [0, C) -> scalar float32 loss, equal on all ranks.
