@@ -21,6 +21,7 @@ import yaml
 
 import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import DEFAULT_PARAMS, PipelineParams, load_section
+from facepipe.errors import FacepipeError
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
@@ -136,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default=None, help="params file (default: the project's params.yaml)")
     args = parser.parse_args(argv)
     params_file = Path(args.project) / (args.params or DEFAULT_PARAMS)
-    params: PipelineParams = load_section(params_file, "pipeline", missing_ok=args.params is None)
+    try:
+        params: PipelineParams = load_section(params_file, "pipeline", missing_ok=args.params is None)
+    except FacepipeError as error:  # before any flow run, so the UI never shows a run that could not start
+        print(f"flows.pipeline: error: {error}", file=sys.stderr)
+        return 2
     state = pipeline_flow(project=args.project, raw=params.raw, return_state=True)
     if state.is_failed():
         print(f"flows.pipeline: error: {state.message}", file=sys.stderr)

@@ -60,3 +60,29 @@ def test_good_params_reach_serve_as_written(tmp_path: Path, served: list[dict[st
 def test_without_a_params_file_the_defaults_are_served(tmp_path: Path, served: list[dict[str, Any]]) -> None:
     assert deploy.main(["--project", str(tmp_path)]) == 0
     assert (served[0]["cron"], served[0]["parameters"]["raw"]) == ("0 3 * * *", "data/raw")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("pipeline:\n  cron: [0, 3\n", "not valid YAML"),
+        ("pipeline:\n  raw: [a, b]\n", "pipeline.raw"),
+        ("- pipeline\n", "must be a mapping"),
+    ],
+    ids=["invalid_yaml", "bad_value", "top_level_list"],
+)
+def test_pipeline_main_turns_params_errors_into_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, text: str, message: str
+) -> None:
+    """``python -m flows.pipeline`` fails on bad params before any flow run starts."""
+    from flows import pipeline
+
+    runs: list[Any] = []
+    monkeypatch.setattr(pipeline, "pipeline_flow", lambda **kwargs: runs.append(kwargs))
+    (tmp_path / "params.yaml").write_text(text)
+    assert pipeline.main(["--project", str(tmp_path), "--params", "params.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flows.pipeline: error: ") and message in err and err.count("\n") == 1, err
+    assert runs == []
+    assert pipeline.main(["--project", str(tmp_path), "--params", "absent.yaml"]) == 2
+    assert "params file not found" in capsys.readouterr().err and runs == []
