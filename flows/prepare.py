@@ -16,9 +16,10 @@ from facepipe.config import PrepareParams, load_section
 from facepipe.data.extract import Outcome, process_chunk, warm_up
 from facepipe.errors import FacepipeError
 from facepipe.parallel import DASHBOARD_ADDRESS, default_workers, worker_config
+from facepipe.quality import REPORT_FILE
 from facepipe.stages import prepare as prepare_stage
 from prefect import flow, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.cache_policies import NONE as NO_CACHE
 from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
@@ -73,8 +74,21 @@ def prepare_flow(
     rows += [{"measure": f"rejected: {k}", "value": v} for k, v in report["rejected_by_reason"].items()]
     rows.append({"measure": "images/s", "value": report["images_per_s"]})
     create_table_artifact(rows, key="prepare-report", description=f"prepare {raw} -> {out}")
+    publish_quality_report(out)
     print(prepare_stage.summary_line(report))
     return report
+
+
+def publish_quality_report(out: str | Path) -> str:
+    """A link artifact (key ``prepare-quality-report``) to ``OUT/report.html``; returns the link."""
+    link = (Path(out).resolve() / REPORT_FILE).as_uri()
+    create_link_artifact(
+        link,
+        link_text=f"data-quality report of {Path(out).name}",
+        key="prepare-quality-report",
+        description="rejects by reason with thumbnails, sample faces per identity, histograms, cross-identity duplicates (self-contained HTML: opens offline)",
+    )
+    return link
 
 
 def run_prepare_flow(

@@ -48,6 +48,7 @@ from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
 from facepipe.io.recordio import RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
 from facepipe.parallel import FutureLike, dask_client, default_workers, ordered_results
 from facepipe.progress import Progress
+from facepipe.quality import REPORT_FILE, write_report
 from facepipe.stages.prepare import SHARD_SET, SetBuilder, warn_resized
 
 log = logging.getLogger("facepipe.import")
@@ -313,6 +314,7 @@ def run(
             raise
         manifest["source"] = _source_entry(pack, layout)
         (tmp / "manifest.json").write_text(dumps(manifest))
+        write_report(tmp, tmp / REPORT_FILE)  # rejected records live inside the pack: paths only
         report = _report(manifest, builder, tmp, workers=n_workers, elapsed=time.perf_counter() - started)
         (tmp / "report.json").write_text(dumps(report))
     warn_resized(builder, params.image_size)

@@ -204,6 +204,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     inspect.add_argument("--dump", type=Path, metavar="DIR", help="write aligned faces as PNG files here")
     inspect.add_argument("--limit", type=int, default=None, metavar="N", help="with --dump: at most N faces")
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.add_argument("--html", type=Path, metavar="FILE", help="write the data-quality report (one self-contained HTML page)")
+    inspect.add_argument("--raw", type=Path, metavar="RAW", help="with --html: the set's source folder, for thumbnails of rejected files")
     inspect.set_defaults(func=_inspect)
     check = subparsers.add_parser("verify", help="re-check shard checksums and that every record decodes")
     check.add_argument("root", type=Path, metavar="PREPARED")
@@ -211,6 +213,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.html is not None:
+        from facepipe.quality import write_report
+
+        if args.raw is not None and not args.raw.is_dir():
+            raise FacepipeError(f"raw folder not found: {args.raw}")
+        print(f"wrote the data-quality report of {args.root} to {write_report(args.root, args.html, raw=args.raw)}")
+        return 0
     if args.dump is not None:
         if args.limit is not None and args.limit < 0:
             raise FacepipeError("--limit must be >= 0")

@@ -28,6 +28,7 @@ from facepipe.io.records import encode_record
 from facepipe.io.shards import SET_FORMAT, ShardWriter
 from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
 from facepipe.progress import Progress
+from facepipe.quality import REPORT_FILE, write_report
 
 log = logging.getLogger("facepipe.prepare")
 
@@ -36,7 +37,7 @@ Submit = Callable[[list[str]], FutureLike]
 #: An existing OUT is replaced only when it is a shard set (manifest format) holding nothing else.
 SHARD_SET = OutputKind(
     "shard set",
-    patterns=("manifest.json", "labels.json", "rejects.jsonl", "report.json", "shards/shard-*.lmdb"),
+    patterns=("manifest.json", "labels.json", "rejects.jsonl", "report.json", REPORT_FILE, "shards/shard-*.lmdb"),
     identify=json_key_file("manifest.json", "version", format=SET_FORMAT),
 )
 
@@ -206,6 +207,9 @@ def run(
         except BaseException:
             builder.abort()
             raise
+        report_started = time.perf_counter()
+        write_report(tmp, tmp / REPORT_FILE, raw=raw)  # bounded: a sample through the label index
+        report_s = time.perf_counter() - report_started
         elapsed = time.perf_counter() - started
         report = {
             "counts": manifest["counts"],
@@ -221,6 +225,7 @@ def run(
                 "scan": round(scan_s, 3),
                 "startup": round(startup_s, 3),  # cluster start and detector load in every worker
                 "process": round(process_s, 3),
+                "report_html": round(report_s, 3),
                 "total": round(elapsed, 3),
             },
             "images_per_s": round(len(paths) / max(process_s, 1e-9), 2),

@@ -1,0 +1,293 @@
+"""The data-quality report (OUT/report.html) as a person sees it: opened in headless Chromium.
+
+The browser runs with its proxy pointed at a closed port and every host name unresolvable, so
+nothing could leave the machine; on top of that the DevTools protocol records every request the page
+makes, and the test holds each one to ``data:`` or the report's own ``file:`` URL. A control page
+with one external image proves the recorder sees such a request and that its image does not decode.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import subprocess
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from facepipe.cli import main
+from facepipe.config import PrepareParams
+from facepipe.data.extract import process_chunk
+from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.quality import REPORT_FILE, Limits, collect, write_report
+from facepipe.stages import prepare
+from rawdata import TEST_PARAMS, make_faces_raw
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="chromium not installed: `make test` and .ci/run install Debian's chromium (apt-get, as root); here it could not be",
+)
+
+
+def in_process(raw: Path, params: PrepareParams):
+    """A ``submit`` for prepare.run that runs each chunk here (no Dask cluster: a fast, real prepare)."""
+
+    def submit(paths: list[str]) -> Future:
+        future: Future = Future()
+        future.set_result(process_chunk(paths, str(raw), params, "cpu"))
+        return future
+
+    return submit
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A real prepare of real faces and one bad file per reject reason; returns (raw, out, report)."""
+    raw = tmp_path_factory.mktemp("raw")
+    make_faces_raw(raw)
+    out = tmp_path_factory.mktemp("prep") / "set"
+    params = PrepareParams(**TEST_PARAMS)
+    report = prepare.run(params, raw, out, submit=in_process(raw, params), workers=1, progress=False)
+    return raw, out, report
+
+
+def images_in(page: str) -> list[str]:
+    return re.findall(r"<img [^>]*src=\"([^\"]*)\"", page)
+
+
+def test_prepare_writes_a_self_contained_report(prepared):
+    raw, out, report = prepared
+    page = (out / REPORT_FILE).read_text()
+    assert report["timings_s"]["report_html"] < 30
+    # every reason with its count, every rejected path, the cross-identity duplicate and its original
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    for reason, n in report["rejected_by_reason"].items():
+        assert f"<td>{reason}</td><td class=\"n\">{n}</td>" in page
+    for reject in rejects:
+        assert reject["path"] in page
+    assert "Cross-identity duplicates: 1<" in page and "astro/0002.jpg" in page
+    # self-contained: no URL but data: anywhere a browser would fetch one, no script at all
+    sources = images_in(page)
+    assert sources and all(src.startswith("data:image/") for src in sources)
+    assert not re.search(r"(src|href|url)\s*[=(]\s*[\"']?\s*(https?:|//|ftp:|file:)", page, re.I)
+    assert "<script" not in page and "<link" not in page
+    # thumbnails of decodable rejects (no_face, image_too_small, duplicates) and none of the others
+    for path in ("astro/coffee.jpg", "hopper/tiny.png", "zz_astro2/0002.jpg"):
+        assert f"alt=\"{path}\"" in page, path
+    for path in ("astro/huge.png", "astro/dangling.jpg", "astro/empty.jpg", "hopper/notes.jpg"):
+        assert f"alt=\"{path}\"" not in page, path
+
+
+def test_report_is_deterministic_and_bounded(tmp_path):
+    root = write_synthetic_shard_set(tmp_path / "set", num_identities=30, samples_per_identity=9, samples_per_shard=50)
+    limits = Limits(identities=5, faces_per_identity=3, scores=40)
+    first = write_report(root, tmp_path / "a.html", limits=limits).read_bytes()
+    assert write_report(root, tmp_path / "b.html", limits=limits).read_bytes() == first
+    page = first.decode()
+    assert len(images_in(page)) == 5 * 3
+    assert "Aligned faces: 5 of 30 identities" in page
+    data = collect(root, limits=limits)
+    assert len(data.scores) == 40 and data.faces_per_identity.tolist() == [9] * 30
+    other = collect(root, limits=limits, seed=1)
+    assert [name for name, _ in other.faces] != [name for name, _ in data.faces]
+
+
+def test_report_reads_a_sample_not_every_record(tmp_path, monkeypatch):
+    """Cost is bounded by the limits: 2 identities x 2 faces and 10 scores out of 600 records."""
+    from facepipe.io import shards
+
+    root = write_synthetic_shard_set(tmp_path / "set", num_identities=60, samples_per_identity=10, samples_per_shard=100)
+    reads = []
+    original = shards.ShardReader.get
+    monkeypatch.setattr(shards.ShardReader, "get", lambda self, i: reads.append(i) or original(self, i))
+    collect(root, limits=Limits(identities=2, faces_per_identity=2, scores=10))
+    assert len(reads) == 2 * 2 + 10
+
+
+def test_inspect_html_cli(prepared, tmp_path, capsys):
+    raw, out, _ = prepared
+    target = tmp_path / "r.html"
+    assert main(["inspect", str(out), "--html", str(target), "--raw", str(raw)]) == 0
+    assert target.read_bytes() == (out / REPORT_FILE).read_bytes()  # same set, same source: same page
+    assert main(["inspect", str(out), "--html", str(tmp_path / "paths.html")]) == 0
+    assert "source folder not given" in (tmp_path / "paths.html").read_text()
+    mine = tmp_path / "mine.html"
+    mine.write_text("<html>my notes</html>")
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--html", str(mine)]) == 2
+    assert "not a facepipe report" in capsys.readouterr().err
+    assert mine.read_text() == "<html>my notes</html>"  # a file facepipe did not write is never replaced
+
+
+# --- in the browser --------------------------------------------------------------------------------
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol; no route off the machine."""
+
+    def __init__(self, profile: Path) -> None:
+        from websockets.sync.client import connect
+
+        self.process = subprocess.Popen(
+            [
+                CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                f"--user-data-dir={profile}", "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
+                "--proxy-server=http://127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
+                "--window-size=1200,900", "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (port_file.is_file() and len(port_file.read_text().split()) == 2):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.close()
+                raise RuntimeError("chromium did not open its DevTools port")
+            time.sleep(0.1)
+        port, path = port_file.read_text().split()
+        self.socket = connect(f"ws://127.0.0.1:{port}{path}", max_size=256 << 20, proxy=None)
+        self.next_id = 0
+        self.events: list[dict[str, Any]] = []
+
+    def send(self, method: str, params: dict[str, Any] | None = None, *, session: str | None = None) -> dict[str, Any]:
+        self.next_id += 1
+        message = {"id": self.next_id, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        self.socket.send(json.dumps(message))
+        while True:
+            reply = json.loads(self.socket.recv(timeout=60))
+            if reply.get("id") == self.next_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+            self.events.append(reply)
+
+    def wait_for(self, method: str, session: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(e.get("method") == method and e.get("sessionId") == session for e in self.events):
+            self.events.append(json.loads(self.socket.recv(timeout=max(0.1, deadline - time.monotonic()))))
+
+    def open(self, url: str, screenshot: Path | None = None) -> dict[str, Any]:
+        """Load ``url`` in a new tab; returns its requests, every image's natural size, and the page height."""
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        for domain in ("Network.enable", "Page.enable"):
+            self.send(domain, session=session)
+        self.send("Page.navigate", {"url": url}, session=session)
+        self.wait_for("Page.loadEventFired", session)
+        script = (
+            "Promise.all(Array.from(document.images).map(i => i.decode().then(() => 0, () => 0)"
+            ".then(() => [i.naturalWidth, i.naturalHeight, i.alt])))"
+        )
+        images = self.send("Runtime.evaluate", {"expression": script, "awaitPromise": True, "returnByValue": True}, session=session)
+        height = self.send("Page.getLayoutMetrics", session=session)["cssContentSize"]["height"]
+        if screenshot is not None:
+            clip = {"x": 0, "y": 0, "width": 1200, "height": min(height, 5000), "scale": 1}
+            shot = self.send("Page.captureScreenshot", {"format": "png", "clip": clip, "captureBeyondViewport": True}, session=session)
+            screenshot.write_bytes(base64.b64decode(shot["data"]))
+        requests = [
+            e["params"]["request"]["url"]
+            for e in self.events
+            if e.get("method") == "Network.requestWillBeSent" and e.get("sessionId") == session
+        ]
+        self.send("Target.closeTarget", {"targetId": target})
+        return {"requests": requests, "images": images["result"]["value"], "height": height}
+
+    def close(self) -> None:
+        if getattr(self, "socket", None) is not None:
+            self.socket.close()
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    browser = Chromium(tmp_path_factory.mktemp("chromium-profile"))
+    yield browser
+    browser.close()
+
+
+@needs_chromium
+@pytest.mark.multiprocess
+def test_report_in_headless_chromium(prepared, chromium, tmp_path):
+    raw, out, _ = prepared
+    page_file = out / REPORT_FILE
+    shot = tmp_path / "report.png"
+    seen = chromium.open(page_file.as_uri(), screenshot=shot)
+    # nothing but the page itself and its inlined images was requested
+    off_page = [url for url in seen["requests"] if not url.startswith("data:") and url != page_file.as_uri()]
+    assert off_page == []
+    # every image the page holds decoded: faces 112x112, thumbnails up to 96 on their longest side
+    expected = len(images_in(page_file.read_text()))
+    assert len(seen["images"]) == expected > 10
+    undecoded = [alt for width, height, alt in seen["images"] if width == 0 or height == 0]
+    assert undecoded == []
+    faces = [(w, h) for w, h, alt in seen["images"] if (w, h) == (112, 112)]
+    assert len(faces) == sum(min(n, Limits().faces_per_identity) for n in (3, 3, 1))  # hopper, astro, zz_astro2
+    # the screenshot shows a page: a real PNG, full width, not blank
+    with Image.open(shot) as pil:
+        assert pil.width == 1200 and pil.height == min(seen["height"], 5000) > 600
+        pixels = np.asarray(pil.convert("L"))
+    assert pixels.std() > 20 and (pixels < 128).mean() > 0.02
+
+
+@needs_chromium
+@pytest.mark.multiprocess
+def test_the_browser_check_sees_an_external_request(chromium, tmp_path):
+    """Control: a page with one external image shows up as a request off the page, and its image
+    never decodes (the proxy is a closed port, names resolve to nothing)."""
+    page = tmp_path / "leaky.html"
+    face = base64.b64encode(_tiny_png()).decode()
+    page.write_text(f"<html><body><img src=\"data:image/png;base64,{face}\" alt=\"inline\">"
+                    "<img src=\"http://example.com/face.png\" alt=\"external\"></body></html>")
+    seen = chromium.open(page.as_uri())
+    assert [url for url in seen["requests"] if not url.startswith(("data:", "file:"))] == ["http://example.com/face.png"]
+    assert sorted((alt, width > 0) for width, _, alt in seen["images"]) == [("external", False), ("inline", True)]
+
+
+def _tiny_png() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_prefect_prepare_flow_links_the_report(prepared, tmp_path):
+    """The prepare flow (chunks as Prefect tasks, in threads here) publishes a link to OUT/report.html."""
+    import yaml
+    from prefect import get_client
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.prepare import prepare_flow
+
+    raw, out, _ = prepared
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"prepare": TEST_PARAMS}))
+    flow_out = tmp_path / "flow"
+    with prefect_test_harness(server_startup_timeout=180):
+        prepare_flow.with_options(task_runner=ThreadPoolTaskRunner(max_workers=1))(
+            str(raw), str(flow_out), params_file=str(params), device="cpu"
+        )
+        with get_client(sync_client=True) as client:
+            links = [a for a in client.read_latest_artifacts() if a.key == "prepare-quality-report"]
+    assert len(links) == 1 and links[0].type == "markdown"
+    assert f"]({(flow_out / REPORT_FILE).as_uri()})" in links[0].data
+    assert (flow_out / REPORT_FILE).read_bytes() == (out / REPORT_FILE).read_bytes()
