@@ -59,8 +59,33 @@ def test_links_inside_raw_are_followed(tmp_path):
     touch(tmp_path / "alice" / "1.jpg")
     touch(tmp_path / "bob" / "1.jpg", b"y")
     os.symlink("../bob/1.jpg", tmp_path / "alice" / "2.jpg")
-    os.symlink("../bob", tmp_path / "alice" / "more")  # a sibling, not a loop
-    assert outcome(tmp_path) == {"alice/1.jpg": None, "alice/2.jpg": None, "alice/more/1.jpg": None, "bob/1.jpg": None}
+    os.symlink("../bob", tmp_path / "alice" / "more")  # a sibling, not a loop: scanned by its own path
+    assert outcome(tmp_path) == {"alice/1.jpg": None, "alice/2.jpg": None, "alice/more/": "duplicate", "bob/1.jpg": None}
+
+
+def test_cross_linked_folders_are_read_once_each(tmp_path):
+    """Folders that link to each other (no loop on any one path) would give every ordering of them as a
+    path, n! of them: each real folder is read once, every other way to it is one folder reject."""
+    names = [f"id{i}" for i in range(9)]
+    for name in names:
+        touch(tmp_path / name / "1.jpg", name.encode())
+        for other in names:
+            if other != name:
+                os.symlink(f"../{other}", tmp_path / name / f"to-{other}")
+    items = scan_raw(tmp_path)
+    files = [i.path for i in items if i.reason is None]
+    assert files == [f"{name}/1.jpg" for name in names]
+    assert len(items) == 9 + 9 * 8 and {i.reason for i in items if i.reason} == {"duplicate"}
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    for name in ("x", "y"):
+        touch(outside / name / "1.jpg", name.encode())
+    os.symlink(outside / "y", outside / "x" / "to-y")
+    os.symlink(outside / "x", outside / "y" / "to-x")
+    os.symlink(outside / "x", tmp_path / "id0" / "ext-x")
+    os.symlink(outside / "y", tmp_path / "id0" / "ext-y")
+    followed = outcome(tmp_path, follow_symlinks=True)  # outside RAW: the first way in (in path order) reads it
+    assert followed["id0/ext-x/1.jpg"] is None and followed["id0/ext-x/to-y/1.jpg"] is None
+    assert followed["id0/ext-y/"] == "duplicate" and followed["id0/ext-x/to-y/to-x/"] == "symlink_loop"
 
 
 def test_links_out_of_raw_are_refused_unless_followed(tmp_path):
@@ -79,7 +104,8 @@ def test_links_out_of_raw_are_refused_unless_followed(tmp_path):
     }
     assert all(str(tmp_path) not in i.detail for i in refused)  # rejects.jsonl holds no absolute paths
     assert outcome(raw, follow_symlinks=True) == {
-        "alice/1.jpg": None, "alice/2.jpg": None, "alice/3.jpg": "io_error", "alice/more/1.jpg": None, "carol/1.jpg": None,
+        "alice/1.jpg": None, "alice/2.jpg": None, "alice/3.jpg": "io_error", "alice/more/1.jpg": None,
+        "carol/": "duplicate",  # the same outside folder, already read through alice/more
     }
 
 

@@ -12,7 +12,9 @@ one-to-one. ``caf\\xe9.jpg`` in rejects.jsonl or labels.json is the Latin-1 file
 
 Symbolic links: a link whose target lies inside RAW is followed; one that leads outside RAW is
 rejected as ``outside_raw_root`` unless ``follow_symlinks`` (``prepare.follow_symlinks``). A link
-that never resolves, or a folder link back to a folder it lies in, is a ``symlink_loop``.
+that never resolves, or a folder link back to a folder it lies in, is a ``symlink_loop``. A folder is
+read once: a folder link to a folder inside RAW (read by its own path), or to one outside RAW that an
+earlier link (in path order) already read, is one ``duplicate`` reject for the link.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import errno
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,26 +119,41 @@ def scan_raw(root: str | Path, *, follow_symlinks: bool = False) -> list[ScanIte
         raise FacepipeError(f"cannot read the raw folder {root}: {_describe(error)}") from None
     real_top = os.path.realpath(top)
     found: list[tuple[Parts, str | None, str]] = []
-    stack: list[tuple[Parts, list[os.DirEntry[bytes]], Ancestors]] = [((), entries, {(info.st_dev, info.st_ino): ()})]
+    # Folders are entered depth first in the bytes order of their names, so "the first way in" is the
+    # first in path order, whatever order the file system lists them in.
+    entered: set[tuple[int, int]] = set()
+    stack: list[tuple[Parts, Iterator[os.DirEntry[bytes]], Ancestors]] = [
+        ((), _in_order(entries), {(info.st_dev, info.st_ino): ()})
+    ]
     while stack:
-        parts, entries, ancestors = stack.pop()
-        for entry in entries:
-            here = (*parts, entry.name)
-            try:
-                kind, detail, key = _classify(entry, ancestors, real_top=real_top, follow_symlinks=follow_symlinks)
-            except OSError as error:
-                kind, detail, key = "io_error", _describe(error), None
-            if kind != "folder":
-                found.append((here + (b"",) if key else here, None if kind == "file" else kind, detail))
-                continue
-            try:
-                inner = _list_dir(entry.path)
-            except OSError as error:
-                found.append((here + (b"",), "io_error", f"folder cannot be read: {_describe(error)}"))
-                continue
-            stack.append((here, inner, {**ancestors, key: here}))
+        parts, pending, ancestors = stack[-1]
+        entry = next(pending, None)
+        if entry is None:
+            stack.pop()
+            continue
+        here = (*parts, entry.name)
+        try:
+            kind, detail, key = _classify(
+                entry, ancestors, real_top=real_top, follow_symlinks=follow_symlinks, entered=entered
+            )
+        except OSError as error:
+            kind, detail, key = "io_error", _describe(error), None
+        if kind != "folder":
+            found.append((here + (b"",) if key else here, None if kind == "file" else kind, detail))
+            continue
+        try:
+            inner = _list_dir(entry.path)
+        except OSError as error:
+            found.append((here + (b"",), "io_error", f"folder cannot be read: {_describe(error)}"))
+            continue
+        entered.add(key)
+        stack.append((here, _in_order(inner), {**ancestors, key: here}))
     found.sort()
     return [_item(parts, reason, detail) for parts, reason, detail in found]
+
+
+def _in_order(entries: list[os.DirEntry[bytes]]) -> Iterator[os.DirEntry[bytes]]:
+    return iter(sorted(entries, key=lambda entry: entry.name))
 
 
 def _item(parts: Parts, reason: str | None, detail: str) -> ScanItem:
@@ -145,10 +163,17 @@ def _item(parts: Parts, reason: str | None, detail: str) -> ScanItem:
 
 
 def _classify(
-    entry: os.DirEntry[bytes], ancestors: Ancestors, *, real_top: bytes, follow_symlinks: bool
+    entry: os.DirEntry[bytes],
+    ancestors: Ancestors,
+    *,
+    real_top: bytes,
+    follow_symlinks: bool,
+    entered: set[tuple[int, int]],
 ) -> tuple[str, str, tuple[int, int] | None]:
     """``("file" | "folder" | reason, detail, key)`` for one entry; ``key`` is (st_dev, st_ino) when it
-    leads to a folder (the folder's reject path then ends in "/"). May raise OSError (-> io_error)."""
+    leads to a folder (the folder's reject path then ends in "/"). ``entered``: the folders read so far.
+    May raise OSError (-> io_error)."""
+    target = None
     if entry.is_symlink():
         target = os.path.realpath(entry.path)
         if not follow_symlinks and os.path.commonpath([target, real_top]) != real_top:
@@ -172,6 +197,14 @@ def _classify(
         if ancestor is not None:
             where = "/".join(["RAW", *(escape_name(name) for name in ancestor)])
             return "symlink_loop", f"folder link leads back to {where}, a folder it lies in", key
+        if target is not None:
+            # Folders that link to each other would otherwise be read once per path through them (n! paths
+            # for n cross-linked folders): a folder is read once, by its own path when it lies in RAW.
+            if os.path.commonpath([target, real_top]) == real_top:
+                where = "/".join(["RAW", *(escape_name(name) for name in os.path.relpath(target, real_top).split(b"/"))])
+                return "duplicate", f"folder link to {where}, which is read by its own path", key
+            if key in entered:
+                return "duplicate", "folder link to a folder outside RAW that an earlier link already read", key
         return "folder", "", key
     if stat.S_ISREG(info.st_mode):
         return "file", "", None
