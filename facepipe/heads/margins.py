@@ -73,6 +73,9 @@ class Margin(nn.Module):
         # Margins with batch statistics all-reduce them across ranks when True; a head whose
         # ``target_cos`` already covers the global batch turns it off.
         self.sync_statistics = True
+        # True under gradient accumulation (the trainer sets it): statistics are collected over the
+        # micro-batches and applied once per optimizer step by ``end_step``.
+        self.deferred = False
 
     def forward(self, cos: torch.Tensor, labels: torch.Tensor, target_cos: torch.Tensor) -> torch.Tensor:
         """``[B, K]`` cosines -> ``[B, K]`` adjusted cosines, same dtype.
@@ -85,6 +88,9 @@ class Margin(nn.Module):
     def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
         """The positive logit (before scaling) as a function of its cosine, elementwise."""
         raise NotImplementedError
+
+    def end_step(self) -> None:
+        """Called on every rank once after each optimizer step; applies deferred statistics."""
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}"
@@ -133,11 +139,22 @@ class CurricularFaceMargin(ArcFaceMargin):
 
     Positive: the ArcFace logit. Negatives harder than the positive, cos θ_j > cos(θ_y + m), become
     cos θ_j · (t + cos θ_j), where ``t`` is an exponential moving average of the batch mean of
-    cos θ_y: ``t ← α·mean + (1 − α)·t`` with α = 0.01, from t = 0, updated (before use, as in the
-    reference code) in training mode only. The mean is taken over the global batch: the dense
-    head all-reduces it when a process group exists, so ``t`` is identical on every rank; a head
-    whose ``target_cos`` already covers the global batch sets ``sync_statistics = False``.
-    Every rank must therefore run the same number of training-mode forwards.
+    cos θ_y: ``t ← α·mean + (1 − α)·t`` with α = 0.01, from t = 0, in training mode only, once per
+    optimizer step, the mean taken over all samples of that step (every rank, every micro-batch),
+    so ``t``'s trajectory does not depend on how a step's samples are split across processes or
+    accumulation steps:
+
+    - without accumulation (``deferred`` False) ``t`` is updated from the current batch before use,
+      as in the authors' code;
+    - with accumulation (``deferred`` True, set by the trainer) the micro-batches use the ``t`` of
+      the previous step and collect their sum and count of cos θ_y; ``end_step`` applies the
+      step's mean after the optimizer step, so the new ``t`` is used from the next step on. (Using
+      it within the step would need the whole step's mean before its first micro-batch.)
+
+    The dense head all-reduces the statistic when a process group exists, so ``t`` is identical on
+    every rank; a head whose ``target_cos`` already covers the global batch sets
+    ``sync_statistics = False``. Every rank must therefore run the same number of training-mode
+    forwards (and of ``end_step`` calls).
     """
 
     default_margin = 0.5
@@ -148,24 +165,41 @@ class CurricularFaceMargin(ArcFaceMargin):
     def __init__(self, margin: float | None = None) -> None:
         super().__init__(margin)
         self.register_buffer("t", torch.zeros(()))
+        # sum and count of cos θ_y over the micro-batches of the current step (deferred mode); empty
+        # between optimizer steps, hence not saved
+        self.register_buffer("pending", torch.zeros(2, dtype=torch.float64), persistent=False)
 
     def forward(self, cos: torch.Tensor, labels: torch.Tensor, target_cos: torch.Tensor) -> torch.Tensor:
         """See ``Margin.forward``; also updates ``t`` in training mode (a collective when syncing)."""
         # the paper's T(cos θ_y) = cos(θ_y + m), without the θ + m > π branch, as in the reference code
         hard = cos > cos_plus_margin(target_cos, self.margin).unsqueeze(1)
-        if self.training:
-            self._update_t(target_cos)
+        if self.training and self.deferred:
+            self.pending += self._statistics(target_cos)
+        elif self.training:
+            self._apply_statistics(self._statistics(target_cos))
         t = self.t.to(cos.dtype)
         modulated = torch.where(hard, cos * (t + cos), cos)
         return put_targets(modulated, labels, self.target_logit(gather_targets(cos, labels)))
 
+    def end_step(self) -> None:
+        """Apply the step's collected statistic (deferred mode; a collective when syncing)."""
+        if self.deferred:
+            self._apply_statistics(self.pending.clone())
+            self.pending.zero_()
+
     @torch.no_grad()
-    def _update_t(self, target_cos: torch.Tensor) -> None:
+    def _statistics(self, target_cos: torch.Tensor) -> torch.Tensor:
         total = target_cos.sum().to(torch.float64)
-        stats = torch.stack([total, total.new_tensor(float(target_cos.numel()))])
+        return torch.stack([total, total.new_tensor(float(target_cos.numel()))]).to(self.pending)
+
+    @torch.no_grad()
+    def _apply_statistics(self, stats: torch.Tensor) -> None:
+        """``t ← α·mean + (1 − α)·t`` from ``stats`` = [sum, count] of cos θ_y (unchanged when empty)."""
         if self.sync_statistics and dist.is_available() and dist.is_initialized():
             # sum and count rather than an average of means: exact for unequal batches, and gloo
             # has no AVG reduction
             dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        mean = (stats[0] / stats[1]).to(self.t.dtype)
-        self.t.mul_(1.0 - self.momentum).add_(self.momentum * mean)
+        # no host synchronisation to test for an empty step: a count of 0 leaves t as it is
+        mean = (stats[0] / stats[1].clamp_min(1.0)).to(self.t.dtype)
+        updated = self.t * (1.0 - self.momentum) + self.momentum * mean
+        self.t.copy_(torch.where(stats[1] > 0, updated, self.t))

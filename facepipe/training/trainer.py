@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from facepipe.data.augment import normalize
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
-from facepipe.heads import ModelParallelMarginHead
+from facepipe.heads import Margin, ModelParallelMarginHead
 from facepipe.progress import Progress
 from facepipe.training.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -132,6 +132,10 @@ class Trainer:
         self.context = context
         self.plan = plan
         self.module = model
+        # margins with batch statistics (CurricularFace's t) move once per optimizer step
+        self.margins = [module for module in model.modules() if isinstance(module, Margin)]
+        for margin in self.margins:
+            margin.deferred = plan.accum_steps > 1
         self.model = wrap_model(model, context, comm_hook=comm_hook, powersgd_rank=powersgd_rank)
         self.comm_hook = comm_hook if context.enabled else "none"
         self.optimizer = optimizer
@@ -175,6 +179,8 @@ class Trainer:
             nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        for margin in self.margins:
+            margin.end_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.state.step += 1
