@@ -200,7 +200,14 @@ class TrainParams(Section):
     lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; AdamW beta1")
     weight_decay: float = Field(5e-4, ge=0, description="not applied to biases and norm / PReLU weights")
-    warmup_epochs: float = Field(1.0, ge=0, description="linear warmup from 0, in epochs (fractions allowed)")
+    warmup_epochs: float = Field(
+        1.0,
+        ge=0,
+        description=(
+            "linear warmup, in epochs (fractions allowed): optimizer step k (0-based) runs at (k + 1)/warmup_steps "
+            "of the peak rate, so the first step is at 1/warmup_steps (never 0) and the last warmup step at the peak"
+        ),
+    )
     decay: Literal["cosine", "poly"] = "cosine"
     poly_power: float = Field(2.0, gt=0, description="exponent of the polynomial decay")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate / peak learning rate")
