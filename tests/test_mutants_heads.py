@@ -121,3 +121,21 @@ def test_model_parallel_head_without_a_process_group_says_so() -> None:
         pytest.skip("a process group exists in this process")
     with pytest.raises(RuntimeError, match="^the model-parallel head needs an initialized process group$"):
         create_model_parallel_head("arcface", embedding_size=2, num_classes=2)
+
+
+def test_curricularface_takes_the_given_margin_and_modulates_strictly_harder_negatives_only() -> None:
+    from facepipe.heads.margins import CurricularFaceMargin
+
+    assert create_head("curricularface", embedding_size=2, num_classes=2, margin=0.3).margin.margin == 0.3
+    # m = 0: cos(θ_y + 0) = cos θ_y exactly, so a negative equal to the positive is not "harder" than it
+    margin = CurricularFaceMargin(0.0).eval()  # eval: t stays 0, so a hard negative becomes cos²
+    cos = torch.tensor([[0.5, 0.5, 0.7, 0.2]], dtype=torch.float64)
+    out = margin(cos, torch.tensor([0]), torch.tensor([0.5], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([[0.5, 0.5, 0.49, 0.2]], dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+def test_curricularface_logits_stay_float32_for_float32_embeddings_in_a_float64_head() -> None:
+    # the docstring: float32 logits for float32 (or lower) input whatever the head's own dtype
+    head = create_head("curricularface", embedding_size=3, num_classes=4, scale=2.0).double().train()
+    logits = head(torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 0]))
+    assert logits.dtype == torch.float32 and head.margin.t.dtype == torch.float64

@@ -154,6 +154,27 @@ def test_sampler_defaults_and_limits():
 # -- augmentation -------------------------------------------------------------------------------------
 
 
+def test_a_fresh_sampler_and_set_epochs_default_start_at_the_first_sample():
+    # before any set_epoch call the sampler is at epoch 0, sample 0; set_epoch's start defaults to 0
+    fresh = ShardOrderSampler(ITEM_SHARDS, batch_size=4, buffer_size=8, seed=2)
+    batches = list(fresh)
+    assert len(batches) == len(fresh) == 103 // 4
+    stream = shuffled_stream(ITEM_SHARDS, epoch=0, seed=2, buffer_size=8)
+    assert [item for item, _ in batches[0]] == stream[:4].tolist()
+    assert batches == epoch_batches(ShardOrderSampler(ITEM_SHARDS, batch_size=4, buffer_size=8, seed=2), 0, start=0)
+    fresh.set_epoch(3)
+    assert list(fresh) == epoch_batches(ShardOrderSampler(ITEM_SHARDS, batch_size=4, buffer_size=8, seed=2), 3, start=0)
+
+
+def test_a_start_at_or_past_the_end_leaves_nothing():
+    sampler = ShardOrderSampler(ITEM_SHARDS, batch_size=1)  # one sample per step: no rounding hides a count
+    for start in (103, 110):
+        sampler.set_epoch(0, start_sample=start)
+        assert len(sampler) == 0 and list(sampler) == []
+    sampler.set_epoch(0, start_sample=102)
+    assert len(sampler) == 1 and len(list(sampler)) == 1
+
+
 def test_augmentation_depends_only_on_the_seed():
     image = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
     augment = Augmenter(STRONG, image_size=16)
