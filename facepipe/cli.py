@@ -32,12 +32,18 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="facepipe", description="Raw face photos -> aligned shards -> trained face recognizer."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_parser(subparsers)
     _add_weights_parser(subparsers)
+    for command in subparsers.choices.values():
+        # after the command too (`facepipe prepare RAW OUT --verbose`); SUPPRESS keeps a `-v` given before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
     return parser
+
+
+_VERBOSE_HELP = "debug logging, and the INFO logs of Dask, Prefect and DVC (default: theirs from WARNING up)"
 
 
 def _add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     for noisy in ("distributed", "prefect", "httpx", "dvc", "dvclive"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.INFO if args.verbose else logging.WARNING)
     try:
         return int(args.func(args) or 0)
     except FacepipeError as error:

@@ -25,6 +25,7 @@ from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
 from flows.api import share_api_with_workers
+from flows.logs import configure_console, dask_silence
 
 
 class ChunkFailed(RuntimeError):
@@ -67,7 +68,7 @@ def prepare_flow(
         workers=workers,
         submit=lambda paths: prepare_chunk.submit(paths, str(Path(raw)), params, device),
         warm=warm,
-        progress=False,
+        progress=True,  # facepipe's own progress (a bar on a terminal, a line every 10 s otherwise)
     )
     counts = report["counts"]
     rows = [{"measure": k, "value": v} for k, v in counts.items()]
@@ -99,9 +100,11 @@ def run_prepare_flow(
     workers: int | None = None,
     scheduler_address: str | None = None,
     device: str = "auto",
+    verbose: bool = True,
 ) -> dict[str, Any]:
     """Run :func:`prepare_flow` on a local Dask cluster (one single-threaded process per core) or an
-    existing one, with all Dask workers reporting to this process's Prefect API."""
+    existing one, with all Dask workers reporting to this process's Prefect API. Without
+    ``verbose`` the local cluster's processes log from WARNING up."""
     # fail on bad input before any server or cluster starts
     load_section(params_file, "prepare")
     prepare_stage.check_paths(raw, out)
@@ -116,6 +119,7 @@ def run_prepare_flow(
                 "processes": True,
                 "host": "127.0.0.1",
                 "dashboard_address": DASHBOARD_ADDRESS,
+                "silence_logs": dask_silence(verbose=verbose),
             }
         )
     with worker_config():  # the task runner starts its cluster inside the flow
@@ -133,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--scheduler-address", default=None)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("-v", "--verbose", action="store_true", help="Dask's and Prefect's INFO logs on the console too")
     args = parser.parse_args(argv)
+    configure_console(verbose=args.verbose)
     try:
         if args.workers is not None and args.workers < 1:
             raise FacepipeError(f"--workers must be >= 1, got {args.workers}")
         run_prepare_flow(
             args.raw, args.out, params_file=args.params, workers=args.workers,
-            scheduler_address=args.scheduler_address, device=args.device,
+            scheduler_address=args.scheduler_address, device=args.device, verbose=args.verbose,
         )
     except FacepipeError as error:
         print(f"flows.prepare: error: {error}", file=sys.stderr)
