@@ -188,6 +188,11 @@ class TrainParams(Section):
     backbone: BackboneName = "mobilefacenet"
     embedding_size: int = Field(512, ge=2)
     head: Literal["arcface", "cosface", "curricularface"] = "arcface"
+    head_parallel: Literal["dense", "sharded"] = Field(
+        "dense",
+        description="dense: every class centre on every process; sharded: centres split across the processes "
+        "(model parallel, for very many identities; the same as dense with one process)",
+    )
     scale: float = Field(64.0, gt=0, description="logit scale s of the margin head")
     margin: float | None = Field(None, description="margin m of the head; null = the head's default")
     gradient_checkpointing: bool = False

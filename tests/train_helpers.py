@@ -70,8 +70,9 @@ class LinearBackbone(nn.Module):
 
 def linear_model(params: TrainParams, *, num_classes: int, image_size: int) -> FaceModel:
     """A model factory for ``run``: the linear stand-in backbone with the configured real head."""
-    head = create_head(params.head, embedding_size=params.embedding_size, num_classes=num_classes, scale=params.scale)
-    return FaceModel(LinearBackbone(params.embedding_size, image_size), head)
+    from facepipe.stages.train import build_head
+
+    return FaceModel(LinearBackbone(params.embedding_size, image_size), build_head(params, num_classes=num_classes))
 
 
 def env(**extra: str) -> dict[str, str]:

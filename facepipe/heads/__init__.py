@@ -2,10 +2,12 @@
 
 ``create_head(name, ...)`` builds a dense head (``loss = F.cross_entropy(logits, labels)``);
 ``create_model_parallel_head(name, ...)`` shards the class centres across ranks and returns the loss.
+The trainer's contract is ``head.loss_and_correct(embeddings, labels) -> HeadOutput`` (loss and top-1
+count), the same for both.
 """
 
 # Importing the margins fills the registry.
-from facepipe.heads.dense import MarginHead
+from facepipe.heads.dense import HeadOutput, MarginHead
 from facepipe.heads.factory import create_head, create_model_parallel_head
 from facepipe.heads.margins import ArcFaceMargin, CosFaceMargin, CurricularFaceMargin, Margin
 from facepipe.heads.model_parallel import ModelParallelMarginHead, class_shard
@@ -15,6 +17,7 @@ __all__ = [
     "ArcFaceMargin",
     "CosFaceMargin",
     "CurricularFaceMargin",
+    "HeadOutput",
     "Margin",
     "MarginHead",
     "ModelParallelMarginHead",

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from facepipe.heads.centres import init_centres
 from facepipe.heads.margins import Margin, normalized_cosines
 
 
+class HeadOutput(NamedTuple):
+    """What every head returns to the trainer (``head.loss_and_correct``).
+
+    ``loss``: scalar float32 (float64 for float64 input), the mean margin cross-entropy over
+    ``samples``; ``correct``: scalar int64, how many of those samples have their own class as the
+    top-1 margin logit. The dense head covers this rank's batch; the sharded head the global batch
+    (every rank returns the same values).
+    """
+
+    loss: torch.Tensor
+    correct: torch.Tensor
+    samples: int
+
+
 class MarginHead(nn.Module):
     """Class centres ``weight`` ``[C, E]`` plus a margin: embeddings and labels -> scaled logits.
 
-    ``loss = F.cross_entropy(head(embeddings, labels), labels)``. Under data parallelism it is
-    replicated like the backbone (DDP averages its gradient too).
+    ``loss = F.cross_entropy(head(embeddings, labels), labels)`` (``loss_and_correct``). Under data
+    parallelism it is replicated like the backbone (DDP averages its gradient too).
     """
 
     def __init__(self, margin: Margin, *, embedding_size: int, num_classes: int, scale: float, seed: int = 0) -> None:
@@ -33,6 +50,13 @@ class MarginHead(nn.Module):
         cos = normalized_cosines(embeddings, self.weight)
         target_cos = cos.detach().gather(1, labels.unsqueeze(1)).squeeze(1)
         return self.margin(cos, labels, target_cos) * self.scale
+
+    def loss_and_correct(self, embeddings: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+        """``[B, E]`` and ``[B]`` in [0, C) -> mean cross-entropy and top-1 count over this batch."""
+        labels = labels.long()
+        logits = self(embeddings, labels)
+        correct = (logits.detach().argmax(dim=1) == labels).sum()
+        return HeadOutput(F.cross_entropy(logits, labels), correct, labels.numel())
 
     def extra_repr(self) -> str:
         classes, embedding_size = self.weight.shape

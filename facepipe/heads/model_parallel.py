@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from facepipe.heads.centres import init_centres
+from facepipe.heads.dense import HeadOutput
 from facepipe.heads.margins import Margin, compute_dtype, gather_targets, normalized_cosines
 
 
@@ -54,13 +55,17 @@ class _AllGather(torch.autograd.Function):
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
-    """Mean softmax cross-entropy over logits split by columns across ranks -> the same scalar on all.
+    """Mean softmax cross-entropy over logits split by columns across ranks, and the top-1 count.
 
-    ``logits`` ``[N, K_rank]``; ``labels`` ``[N]`` int64, the column on this rank or -1.
+    ``logits`` ``[N, K_rank]``; ``labels`` ``[N]`` int64, the column on this rank or -1. Returns the
+    same scalar loss and int64 count of rows whose target logit is the global row maximum on every
+    rank (a tie with another class counts as correct, where ``argmax`` would pick the lower index).
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, logits: torch.Tensor, labels: torch.Tensor, group: ProcessGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # subtracting the global row max keeps exp() finite at scale 64 (logits up to ±64)
         row_max = logits.max(dim=1, keepdim=True).values
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -72,10 +77,12 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         target = gather_targets(shifted, labels)
         dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
         ctx.save_for_backward(exp / sum_exp, labels)
-        return (sum_exp.squeeze(1).log() - target).mean()
+        correct = (target >= 0).sum()
+        ctx.mark_non_differentiable(correct)
+        return (sum_exp.squeeze(1).log() - target).mean(), correct
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor, _: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
         probabilities, labels = ctx.saved_tensors
         has_target = (labels >= 0).to(probabilities.dtype).unsqueeze(1)
         grad_logits = probabilities.scatter_add(1, labels.clamp_min(0).unsqueeze(1), -has_target)
@@ -124,6 +131,10 @@ class ModelParallelMarginHead(nn.Module):
 
         The loss is the mean margin cross-entropy over the global batch (all ranks' samples).
         """
+        return self.loss_and_correct(embeddings, labels).loss
+
+    def loss_and_correct(self, embeddings: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+        """As ``forward``, with the top-1 count; both over the global batch of ``W·B`` samples."""
         group = self.process_group
         embeddings = embeddings.to(compute_dtype(embeddings.dtype))
         all_embeddings = _AllGather.apply(embeddings, group)
@@ -136,25 +147,36 @@ class ModelParallelMarginHead(nn.Module):
         target_cos = gather_targets(cos.detach(), local)
         dist.all_reduce(target_cos, op=dist.ReduceOp.SUM, group=group)
         logits = self.margin(cos, local, target_cos) * self.scale
-        return _ShardedCrossEntropy.apply(logits, local, group)
+        loss, correct = _ShardedCrossEntropy.apply(logits, local, group)
+        return HeadOutput(loss, correct, local.numel())
 
     @torch.no_grad()
     def gather_weight(self) -> torch.Tensor:
         """All class centres ``[C, E]`` on every rank (a collective): for rank-count-free checkpoints."""
+        return self.gather_rows(self.weight)
+
+    @torch.no_grad()
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's per-class rows ``[n_r, ...]`` (centres, their optimizer state) -> ``[C, ...]``
+        in class order on every rank (a collective)."""
         rows = class_shard(self.num_classes, 0, self.world_size)[1]
-        padded = self.weight.new_zeros(rows, self.weight.shape[1])
-        padded[: self.num_local] = self.weight
+        padded = local.new_zeros(rows, *local.shape[1:])
+        padded[: self.num_local] = local
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded, group=self.process_group)
         counts = [class_shard(self.num_classes, rank, self.world_size)[1] for rank in range(self.world_size)]
         return torch.cat([part[:count] for part, count in zip(parts, counts)])
+
+    def local_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a per-class tensor ``[C, ...]`` (the inverse of ``gather_rows``)."""
+        return full[self.class_start : self.class_start + self.num_local]
 
     @torch.no_grad()
     def load_full_weight(self, weight: torch.Tensor) -> None:
         """Take this rank's rows of all class centres ``[C, E]`` (as from ``gather_weight``)."""
         if weight.shape != (self.num_classes, self.weight.shape[1]):
             raise ValueError(f"expected class centres {[self.num_classes, self.weight.shape[1]]}, got {list(weight.shape)}")
-        self.weight.copy_(weight[self.class_start : self.class_start + self.num_local])
+        self.weight.copy_(self.local_rows(weight))
 
     def extra_repr(self) -> str:
         return (

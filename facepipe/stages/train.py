@@ -28,13 +28,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from facepipe.config import TrainParams, load_section
 from facepipe.data.augment import Augmenter
 from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
-from facepipe.heads import create_head
+from facepipe.heads import create_head, create_model_parallel_head
 from facepipe.io.manifest import check_shard_set
 from facepipe.io.atomic import check_output, remove_stale_temporaries
 from facepipe.io.model_dir import (
@@ -100,14 +102,19 @@ def build_model(params: TrainParams, *, num_classes: int, image_size: int) -> Fa
         image_size=image_size,
         gradient_checkpointing=params.gradient_checkpointing,
     )
-    head = create_head(
-        params.head,
-        embedding_size=params.embedding_size,
-        num_classes=num_classes,
-        scale=params.scale,
-        margin=params.margin,
-    )
-    return FaceModel(backbone, head)
+    return FaceModel(backbone, build_head(params, num_classes=num_classes))
+
+
+def build_head(params: TrainParams, *, num_classes: int) -> nn.Module:
+    """The margin head ``params`` names, dense or sharded across the process group (``head_parallel``).
+
+    Its centres come from ``train.seed`` alone: the same for both kinds and any number of processes.
+    """
+    kwargs = {"embedding_size": params.embedding_size, "num_classes": num_classes, "scale": params.scale}
+    if params.head_parallel == "sharded" and dist.is_initialized() and dist.get_world_size() > 1:
+        return create_model_parallel_head(params.head, margin=params.margin, seed=params.seed, **kwargs)
+    # one process: the sharded head would hold every class, which is the dense head
+    return create_head(params.head, margin=params.margin, seed=params.seed, **kwargs)
 
 
 def data_fingerprint(dataset: FaceDataset) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from facepipe.data.augment import normalize
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
-from facepipe.heads import Margin, ModelParallelMarginHead
+from facepipe.heads import HeadOutput, Margin, ModelParallelMarginHead
 from facepipe.progress import Progress
 from facepipe.training.checkpoint import (
     CHECKPOINT_FORMAT,
@@ -55,16 +55,17 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class FaceModel(nn.Module):
-    """Backbone + margin head, trained as one module (one DDP wrapper, one optimizer)."""
+    """Backbone + margin head, trained as one module (one optimizer; one DDP wrapper around both
+    with a dense head, around the backbone alone with a sharded one)."""
 
     def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
         super().__init__()
         self.backbone = backbone
         self.head = head
 
-    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """images [B, 3, S, S] float in [-1, 1], labels [B] int64 -> margin logits [B, C]."""
-        return self.head(self.backbone(images), labels)
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+        """images [B, 3, S, S] float in [-1, 1], labels [B] int64 -> the head's loss and top-1 count."""
+        return self.head.loss_and_correct(self.backbone(images), labels)
 
 
 def head_is_sharded(head: nn.Module) -> bool:
@@ -132,11 +133,15 @@ class Trainer:
         self.context = context
         self.plan = plan
         self.module = model
+        self.sharded = head_is_sharded(model.head)
         # margins with batch statistics (CurricularFace's t) move once per optimizer step
         self.margins = [module for module in model.modules() if isinstance(module, Margin)]
         for margin in self.margins:
             margin.deferred = plan.accum_steps > 1
-        self.model = wrap_model(model, context, comm_hook=comm_hook, powersgd_rank=powersgd_rank)
+        # A sharded head holds different classes on each rank: only the backbone is data-parallel,
+        # and the centres' gradients are never all-reduced.
+        wrapped = model.backbone if self.sharded else model
+        self.model = wrap_model(wrapped, context, comm_hook=comm_hook, powersgd_rank=powersgd_rank)
         self.comm_hook = comm_hook if context.enabled else "none"
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -168,15 +173,14 @@ class Trainer:
                 with torch.autocast(
                     device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
                 ):
-                    logits = self.model(images, labels)
-                # Half-precision logits are promoted: the softmax over many classes needs float32.
-                loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
-                self.scaler.scale(loss / len(micro_batches)).backward()
-            self._accumulate(loss, logits, labels)
+                    # the heads compute cosines, margins and softmax in float32 whatever the autocast
+                    output = self._forward(images, labels)
+                self.scaler.scale(output.loss / len(micro_batches)).backward()
+            self._accumulate(output)
         self.last_lr = self.optimizer.param_groups[0]["lr"]
         self.scaler.unscale_(self.optimizer)
         if self.grad_clip is not None:
-            nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+            self._clip_gradients(self.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         for margin in self.margins:
@@ -187,11 +191,33 @@ class Trainer:
         self.state.epoch_samples += self.plan.effective_batch
         return self.last_lr
 
-    def _accumulate(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+        if self.sharded:
+            return self.module.head.loss_and_correct(self.model(images), labels)
+        return self.model(images, labels)
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Scale all gradients so that the norm of backbone + head (all ranks' centres) is <= max_norm."""
+        if not self.sharded:
+            nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+            return
+        # the backbone's gradient is the same on every rank (DDP); the head's is split by classes, so
+        # its squared norm is summed over ranks before it joins the backbone's
+        grads = [p.grad for p in self.module.backbone.parameters() if p.grad is not None]
+        head_grads = [p.grad for p in self.module.head.parameters() if p.grad is not None]
+        head_squared = nn.utils.get_total_norm(head_grads).double().square()
+        dist.all_reduce(head_squared, group=self.module.head.process_group)
+        total = (nn.utils.get_total_norm(grads).double().square() + head_squared).sqrt()
+        dtype = grads[0].dtype if grads else torch.float32
+        nn.utils.clip_grads_with_norm_(self.module.parameters(), max_norm, total.to(dtype))
+
+    def _accumulate(self, output: HeadOutput) -> None:
+        # a sharded head's values cover the global batch on every rank: summed over ranks, the
+        # loss and accuracy ratios stay the global ones
         with torch.no_grad():
-            count = labels.new_full((), labels.numel(), dtype=torch.float64)
-            correct = (logits.argmax(dim=1) == labels).sum().double()
-            self.stats.totals += torch.stack([loss.detach().double() * count, correct, count])
+            count = output.loss.new_full((), output.samples, dtype=torch.float64)
+            correct = output.correct.double()
+            self.stats.totals += torch.stack([output.loss.detach().double() * count, correct, count])
 
     def collect_stats(self) -> dict[str, float]:
         """Mean loss and accuracy since the last call, over all ranks (a synchronization point)."""
@@ -209,8 +235,8 @@ class Trainer:
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
             "backbone": self.module.backbone.state_dict(),
-            "head": self.module.head.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "head": self._head_state(),
+            "optimizer": self._optimizer_state(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.state.step,
@@ -224,16 +250,21 @@ class Trainer:
 
     def load_checkpoint_state(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
         """Continue from ``state``. With another world size the dense head resumes (the position and
-        schedule are re-derived from the samples consumed); a sharded head cannot."""
+        schedule are re-derived from the samples consumed); a sharded head takes its rows of the full
+        centres (and of their optimizer state) that the checkpoint holds, at the same world size.
+
+        The checkpoint's layout would allow another world size for the sharded head too, but that
+        path is not yet tested (data order, RNG and schedule at the new size), so it is refused.
+        """
         same_world = state["world_size"] == self.context.world_size
         if not same_world and head_is_sharded(self.module.head):
             raise FacepipeError(
-                f"{source} was written by {state['world_size']} processes and its model-parallel head is split "
-                f"that way; resume with {state['world_size']} processes"
+                f"{source} was written by {state['world_size']} processes with the model-parallel head; "
+                f"resume with {state['world_size']} processes"
             )
         self.module.backbone.load_state_dict(state["backbone"])
-        self.module.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.module.head.load_state_dict(self._local_head_state(state["head"]))
+        self.optimizer.load_state_dict(self._local_optimizer_state(state["optimizer"]))
         self.scaler.load_state_dict(state["scaler"])
         epoch, epoch_samples = int(state["epoch"]), int(state["epoch_samples"])
         if same_world:
@@ -259,6 +290,49 @@ class Trainer:
         rng = state["rng"]
         if self.context.rank < len(rng):
             restore_rng_state(rng[self.context.rank], self.context.device)
+
+    # A checkpoint holds every class centre and every per-class optimizer tensor (momentum, Adam's
+    # moments) in class order, gathered from the ranks of a sharded head: the same layout as the dense
+    # head's, so either kind at any world size can continue from it.
+
+    def _head_weight_index(self) -> int:
+        """Position of the head's centres in the optimizer's state_dict numbering."""
+        ids = [id(p) for group in self.optimizer.param_groups for p in group["params"]]
+        return ids.index(id(self.module.head.weight))
+
+    def _head_state(self) -> dict[str, Any]:
+        state = self.module.head.state_dict()
+        if self.sharded:
+            state["weight"] = self.module.head.gather_weight()  # collective
+        return state
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        if not self.sharded:
+            return state
+        head, index = self.module.head, self._head_weight_index()
+        entry = state["state"].get(index, {})
+        gathered = {  # collective: every rank holds the same keys, visited in the same order
+            key: head.gather_rows(value) if _per_class(value, head.weight.shape) else value
+            for key, value in sorted(entry.items())
+        }
+        return {**state, "state": {**state["state"], index: gathered}} if entry else state
+
+    def _local_head_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        if not self.sharded:
+            return saved
+        return {**saved, "weight": self.module.head.local_rows(saved["weight"])}
+
+    def _local_optimizer_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        if not self.sharded:
+            return saved
+        head, index = self.module.head, self._head_weight_index()
+        full_shape = (head.num_classes, *head.weight.shape[1:])
+        entry = saved["state"].get(index)
+        if not entry:
+            return saved
+        local = {k: head.local_rows(v) if _per_class(v, full_shape) else v for k, v in entry.items()}
+        return {**saved, "state": {**saved["state"], index: local}}
 
     def _rebase_schedule(self, step: int) -> None:
         """Point the schedule at ``step`` with this world's peak rate (not the one in the checkpoint)."""
@@ -341,6 +415,11 @@ class Trainer:
             path = save_checkpoint(options.out, state, step=self.state.step, keep=options.keep_checkpoints)
             log.info("checkpoint %s", path)
         return self.state.step
+
+
+def _per_class(value: Any, shape: tuple[int, ...]) -> bool:
+    """An optimizer state tensor with one row per class of the head (not a step count)."""
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(shape)
 
 
 class _Window:
