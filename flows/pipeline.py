@@ -23,7 +23,7 @@ import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import DEFAULT_PARAMS, PipelineParams, load_section
 from facepipe.errors import FacepipeError
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 
 class StageFailed(RuntimeError):
@@ -112,9 +112,42 @@ def publish_metrics(project: Path) -> list[dict[str, Any]]:
     return rows
 
 
+#: What a person opens without a network: image plots, and the data-quality page of an output folder.
+IMAGE_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg", ".gif")
+REPORT_PAGE = "report.html"
+
+
+def _entry_path(entry: str | dict[str, Any]) -> str:
+    return entry if isinstance(entry, str) else next(iter(entry))
+
+
+def offline_views(project: Path) -> list[str]:
+    """Paths (relative to ``project``, in ``dvc.yaml`` order) of the image plots its stages declare and
+    of the ``report.html`` in their output folders, where those files exist."""
+    spec = yaml.safe_load((project / "dvc.yaml").read_text()) or {}
+    views = []
+    for stage in (spec.get("stages") or {}).values():
+        views += [p for p in map(_entry_path, stage.get("plots") or []) if p.lower().endswith(IMAGE_SUFFIXES)]
+        views += [f"{_entry_path(out).rstrip('/')}/{REPORT_PAGE}" for out in stage.get("outs") or []]
+    return [path for path in views if (project / path).is_file()]
+
+
+@task(name="publish-plots")
+def publish_plots(project: Path) -> list[str]:
+    """Link the offline views (:func:`offline_views`) from a markdown artifact (key ``facepipe-plots``)."""
+    views = offline_views(project)
+    if views:
+        lines = [f"- [{path}]({(project / path).resolve().as_uri()})" for path in views]
+        create_markdown_artifact(
+            "\n".join(lines), key="facepipe-plots",
+            description="training curves, ROC and data-quality report of the latest run (files on this machine; open offline)",
+        )
+    return views
+
+
 @flow(name="facepipe-pipeline", log_prints=True)
 def pipeline_flow(project: str = ".", raw: str = "data/raw", stages: list[str] | None = None) -> dict[str, Any]:
-    """Record new raw data, bring every stage up to date through DVC, publish the metrics.
+    """Record new raw data, bring every stage up to date through DVC, publish the metrics and link the plots.
 
     A failing stage fails the flow with the stage named; later stages do not run.
     """
@@ -124,6 +157,7 @@ def pipeline_flow(project: str = ".", raw: str = "data/raw", stages: list[str] |
     for name in names:
         repro_stage.with_options(name=f"dvc-repro-{name}")(root, name)
     metrics = publish_metrics(root)
+    publish_plots(root)
     status = dvc(root, "status", "--json")
     up_to_date = status.returncode == 0 and json.loads(status.stdout or "{}") == {}
     print(f"pipeline: raw data {'changed' if changed else 'unchanged'}; stages {', '.join(names)}; "

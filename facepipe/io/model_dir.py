@@ -52,6 +52,7 @@ MODEL_FOLDER = OutputKind(
         f".{SPEC_FILE}.tmp-*",
         "metrics.json",
         "plots/metrics/*.tsv",
+        "plots/training.png",  # facepipe.training.metrics.CURVES_FILE
         f"{CHECKPOINT_DIR}/step-*.pt",
         f"{CHECKPOINT_DIR}/step-*.pt.corrupt",
         f"{CHECKPOINT_DIR}/.step-*.pt.tmp-*",

@@ -9,6 +9,7 @@ Outputs::
 
     OUT/metrics.json   10-fold accuracy (mean, std, per fold), best threshold, AUC, TAR@FAR, counts
     OUT/roc.csv        fpr,tpr,threshold (thinned to the curve's corners), for ``dvc plots``
+    OUT/roc.png        the same curve, drawn (opens offline)
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json
 from facepipe.io.manifest import check_shard_set, dumps
 from facepipe.io.model_dir import load_backbone
 from facepipe.io.shards import ShardSet
+from facepipe.plots import roc_png
 
 log = logging.getLogger("facepipe.evaluate")
 
 METRICS_FILE = "metrics.json"
 ROC_FILE = "roc.csv"
+ROC_PLOT = "roc.png"
 #: An existing OUT is replaced only when it holds these files and nothing else.
 EVALUATE_OUTPUT = OutputKind(
-    "evaluation folder", patterns=(METRICS_FILE, ROC_FILE), identify=json_key_file(METRICS_FILE, "accuracy_mean")
+    "evaluation folder",
+    patterns=(METRICS_FILE, ROC_FILE, ROC_PLOT),
+    identify=json_key_file(METRICS_FILE, "accuracy_mean"),
 )
 _SHOWN = 3  # example images named in an error
 
@@ -215,9 +220,18 @@ def run(
     with atomic_output_dir(out, kind=EVALUATE_OUTPUT) as tmp:
         (tmp / METRICS_FILE).write_text(dumps(metrics))
         (tmp / ROC_FILE).write_text(roc_csv(result))
+        fpr, tpr, _ = thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
+        roc_png(fpr, tpr, tmp / ROC_PLOT, title=_roc_title(metrics))
     for note in metrics["notes"]:
         log.info("evaluate: %s", note)
     return metrics
+
+
+def _roc_title(metrics: dict[str, Any]) -> str:
+    return (
+        f"ROC of {metrics['num_pairs']} pairs: AUC {metrics['auc']:.3f}, "
+        f"accuracy {metrics['accuracy_mean']:.3f} ± {metrics['accuracy_std']:.3f} ({metrics['folds']}-fold)"
+    )
 
 
 def summary_line(metrics: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ PREPARED OUT`` runs the same code as N DDP processes (NCCL on CUDA, gloo on CPU)
 
     OUT/backbone.pt      backbone state_dict            OUT/model.json   how to rebuild it
     OUT/checkpoints/     step-NNNNNNNN.pt (resume)      OUT/metrics.json, OUT/plots/metrics/  (dvclive)
+    OUT/plots/training.png  the same curves, drawn (opens offline)
 
 A run resumes from the newest checkpoint in OUT/checkpoints when its parameters and data match.
 OUT must be absent, empty or a model folder (only files train writes); ``--fresh`` removes only
@@ -56,7 +57,7 @@ from facepipe.training.distributed import (
     init_distributed,
     shutdown,
 )
-from facepipe.training.metrics import TrainMetrics
+from facepipe.training.metrics import TrainMetrics, draw_curves
 from facepipe.training.optimizer import build_optimizer
 from facepipe.training.schedule import Plan, build_scheduler, make_plan
 from facepipe.training.trainer import FaceModel, LoopOptions, Trainer
@@ -231,6 +232,7 @@ def _train(
     if dataset.skipped:
         log.warning("skipped %d corrupt record reads (train.skip_corrupt_records); see the warnings above", dataset.skipped)
     if context.is_main:
+        draw_curves(out)
         save_model_dir(out, model.backbone, spec)
         log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
     return TrainReport(

@@ -1,6 +1,7 @@
 """Training metrics with dvclive: ``OUT/metrics.json`` (latest values) and ``OUT/plots/metrics/**.tsv``.
 
-``dvc metrics show`` reads the JSON and ``dvc plots show`` renders the TSV files (x = optimizer step).
+``dvc metrics show`` reads the JSON and ``dvc plots show`` renders the TSV files (x = optimizer step);
+:func:`draw_curves` also draws them into ``OUT/plots/training.png``, which opens offline.
 dvclive only writes files here: it never opens the DVC or Git repository (which would ``dvc init`` a
 bare Git repository or ``git add`` files under ``dvc exp run``) and never posts to Studio. DVC
 itself records the outputs when it runs the stage.
@@ -15,12 +16,15 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from facepipe.plots import training_curves_png
+
 if TYPE_CHECKING:
     from dvclive import Live
 
 log = logging.getLogger("facepipe.training")
 
 PREFIX = "train"
+CURVES_FILE = "plots/training.png"
 
 
 @cache
@@ -54,6 +58,12 @@ def trim_history(directory: str | Path, *, last_step: int) -> None:
             writer = csv.DictWriter(handle, fieldnames=fields, delimiter="\t")
             writer.writeheader()
             writer.writerows(kept)
+
+
+def draw_curves(directory: str | Path) -> Path | None:
+    """``directory/plots/training.png`` from the run's metric history; None when it has none yet."""
+    directory = Path(directory)
+    return training_curves_png(directory / "plots" / "metrics" / PREFIX, directory / CURVES_FILE)
 
 
 class TrainMetrics:
