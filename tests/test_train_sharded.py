@@ -121,3 +121,38 @@ def test_sharded_head_trains_like_the_dense_head_and_checkpoints_all_centres() -
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     mp.spawn(sharded_vs_dense_worker, args=(port,), nprocs=WORLD, join=True)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_torchrun_sharded_run_equals_the_dense_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`torchrun --nproc-per-node 2 -m facepipe train` with head_parallel sharded vs dense, CurricularFace,
+    3 optimizer steps of 2 x 8 x accum 2, gradient clipping: the same losses and backbone (float32)."""
+    import csv
+
+    import torch
+    from train_helpers import TORCHRUN, load_weights, run_process, synthetic_set, write_params
+
+    shard_set = synthetic_set(tmp_path / "set", identities=5, per_identity=24)
+    results = {}
+    for parallel in ("dense", "sharded"):
+        params = write_params(
+            tmp_path / f"{parallel}.yaml", head="curricularface", head_parallel=parallel, accum_steps=2,
+            reference_batch=32, scale=8.0, grad_clip=1.0, checkpoint_every=3,
+        )
+        out = tmp_path / parallel
+        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "facepipe", "train", str(shard_set),
+               str(out), "--params", str(params), "--max-steps", "3"]
+        result = run_process(cmd, timeout=240)
+        assert result.returncode == 0, result.stdout[-4000:]
+        with open(out / "plots" / "metrics" / "train" / "loss.tsv") as handle:
+            losses = [float(row["loss"]) for row in csv.DictReader(handle, delimiter="\t")]
+        checkpoint = torch.load(out / "checkpoints" / "step-00000003.pt", weights_only=True)
+        results[parallel] = (losses, load_weights(out / "backbone.pt"), checkpoint)
+    (dense_losses, dense_backbone, dense_state), (losses, backbone, state) = results["dense"], results["sharded"]
+    assert len(losses) == 3
+    assert losses == pytest.approx(dense_losses, rel=1e-5)
+    for name, value in dense_backbone.items():
+        torch.testing.assert_close(backbone[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert state["head"]["weight"].shape == dense_state["head"]["weight"].shape  # all centres, gathered
+    torch.testing.assert_close(state["head"]["weight"], dense_state["head"]["weight"], rtol=1e-4, atol=1e-6)
