@@ -8,6 +8,7 @@ input, so a garbled one is a bug (the policy in tests/README.md).
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from facepipe.evaluation.pairs import (
     parse_lfw_pairs,
     parse_pairs_jsonl,
     sample_pairs,
+    triangle_pairs,
 )
 from facepipe.evaluation.verification import (
     best_threshold,
@@ -374,3 +376,14 @@ def test_drawn_negatives_spread_evenly_over_identities() -> None:
     two = sample_pairs(_pair_labels([10, 10]), np.arange(2), num_pairs=20, seed=0)
     pairs = two.indexes[~two.same]
     assert len(pairs) == 10 and np.all((pairs[:, 0] < 10) & (pairs[:, 1] >= 10))
+
+
+def test_triangle_pairs_where_the_float_estimate_of_j_is_one_too_big() -> None:
+    # Found by search: for these t, floor((1 + sqrt(1 + 8t)) / 2) in float64 is one above the true j, so
+    # the correction step must bring it back. Exact answer from integer square roots.
+    t = [3294257438736367130, 3294257441303177384, 1895772289590499385]
+    i, j = triangle_pairs(np.array(t, dtype=np.int64))
+    for k, value in enumerate(t):
+        exact_j = (1 + math.isqrt(1 + 8 * value)) // 2  # the largest j with j(j-1)/2 <= t
+        assert (int(i[k]), int(j[k])) == (value - exact_j * (exact_j - 1) // 2, exact_j)
+        assert 0 <= i[k] < j[k]
