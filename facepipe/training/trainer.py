@@ -249,19 +249,17 @@ class Trainer:
         }
 
     def load_checkpoint_state(self, state: dict[str, Any], *, source: str = "checkpoint") -> None:
-        """Continue from ``state``. With another world size the dense head resumes (the position and
-        schedule are re-derived from the samples consumed); a sharded head takes its rows of the full
-        centres (and of their optimizer state) that the checkpoint holds, at the same world size.
+        """Continue from ``state``, written by this or another number of processes, with either head.
 
-        The checkpoint's layout would allow another world size for the sharded head too, but that
-        path is not yet tested (data order, RNG and schedule at the new size), so it is refused.
+        The checkpoint holds every class centre and its per-class optimizer state in class order, so
+        the sharded head takes this rank's rows of them whatever world size wrote it (and the dense
+        head takes them all). With another world size the position is re-derived from the samples
+        consumed: the sampler restarts at ``epoch_samples`` of the same epoch stream, and the schedule
+        at ``epoch * steps_per_epoch + epoch_samples // effective_batch`` with this world's peak rate.
+        Ranks the checkpoint had no RNG state for keep their own seeding (nothing in the data path
+        draws from these generators: augmentation seeds come from the sampler).
         """
         same_world = state["world_size"] == self.context.world_size
-        if not same_world and head_is_sharded(self.module.head):
-            raise FacepipeError(
-                f"{source} was written by {state['world_size']} processes with the model-parallel head; "
-                f"resume with {state['world_size']} processes"
-            )
         self.module.backbone.load_state_dict(state["backbone"])
         self.module.head.load_state_dict(self._local_head_state(state["head"]))
         self.optimizer.load_state_dict(self._local_optimizer_state(state["optimizer"]))
