@@ -387,3 +387,28 @@ def test_triangle_pairs_where_the_float_estimate_of_j_is_one_too_big() -> None:
         exact_j = (1 + math.isqrt(1 + 8 * value)) // 2  # the largest j with j(j-1)/2 <= t
         assert (int(i[k]), int(j[k])) == (value - exact_j * (exact_j - 1) // 2, exact_j)
         assert 0 <= i[k] < j[k]
+
+
+def test_tar_at_far_reports_its_target_and_metrics_honour_the_fold_count() -> None:
+    scores = np.tile([0.9, 0.8, 0.1, 0.2, 0.9, 0.3, 0.2, 0.7], 5)
+    same = np.tile([True, True, False, False, True, True, False, False], 5)
+    result = tar_at_far(*roc_curve(scores, same), far=0.25, num_negative=20)
+    assert result is not None and result.far == 0.25
+    assert len(verification_metrics(scores, same, folds=4).fold_accuracies) == 4
+
+
+def test_embed_images_feeds_the_model_batches_of_the_given_size() -> None:
+    import torch
+
+    from facepipe.evaluation.embed import embed_images
+
+    sizes: list[int] = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            sizes.append(x.shape[0])
+            return x.mean(dim=(2, 3))  # [B, 3]
+
+    images = [np.full((4, 4, 3), k, np.uint8) for k in range(7)]
+    out = embed_images(Recorder(), images, count=7, batch_size=3, flip=False, progress=False)
+    assert sizes == [3, 3, 1] and out.shape == (7, 3)
