@@ -163,7 +163,8 @@ def test_the_sizes_agree_uninterrupted(runs) -> None:  # type: ignore[no-untyped
     assert not runs["1"]["sharded"] and runs["2"]["sharded"] and runs["3"]["sharded"]
     assert sorted(runs["1"]["losses"]) == list(range(1, STOP + 1))
     for world in ("2", "3"):
-        assert_continues({**runs[world], "losses": {s: runs[world]["losses"][s] for s in range(SAVE_AT + 1, STOP + 1)}}, runs["1"])
+        later = {step: runs[world]["losses"][step] for step in range(SAVE_AT + 1, STOP + 1)}
+        assert_continues({**runs[world], "losses": later}, runs["1"])
 
 
 @pytest.mark.multiprocess
@@ -197,7 +198,9 @@ def test_resumed_sampler_continues_the_stream_at_another_global_batch() -> None:
     stream = shuffled_stream(shards, epoch=0, seed=5, buffer_size=8).tolist()
 
     def taken(world: int, start: int, steps: int | None) -> list[int]:
-        samplers = [ShardOrderSampler(shards, batch_size=3, rank=r, world_size=world, seed=5, buffer_size=8) for r in range(world)]
+        samplers = [
+            ShardOrderSampler(shards, batch_size=3, rank=r, world_size=world, seed=5, buffer_size=8) for r in range(world)
+        ]
         for sampler in samplers:
             sampler.set_epoch(0, start_sample=start)
         batches = [list(sampler)[:steps] for sampler in samplers]
@@ -207,3 +210,68 @@ def test_resumed_sampler_continues_the_stream_at_another_global_batch() -> None:
     before, after = taken(2, 0, 5), taken(3, 30, None)
     assert len(after) == (ITEMS - 30) // 9 * 9
     assert before + after == stream[: 30 + len(after)]
+
+
+# --- the train stage: `facepipe train` run by 2 processes, resumed by 1 with accum_steps 2 ---------------
+
+
+def stage_worker(rank: int, port: int, shard_set: str, out: str, overrides: dict) -> None:  # type: ignore[type-arg]
+    """One rank of a 2-process `run()`, the environment set as torchrun would."""
+    import os
+
+    from train_helpers import linear_model, tiny_params
+
+    from facepipe.stages.train import run
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    run(tiny_params(**overrides), shard_set, out, max_steps=3, model_factory=linear_model)
+
+
+def stage_losses(out: Path) -> dict[int, float]:
+    import csv
+
+    with open(out / "plots" / "metrics" / "train" / "loss.tsv") as handle:
+        return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(handle, delimiter="\t")}
+
+
+@pytest.mark.multiprocess
+def test_train_stage_resumes_a_sharded_two_process_run_in_one_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """2 processes x batch 4, sharded head, stopped at step 3 -> 1 process x batch 8 (the same 8 samples
+    per step, so `head_parallel` and `batch_size` may change): the run finishes like an uninterrupted
+    1-process run (float32: summation order, 1e-5), and no backbone.pt holds the head. CurricularFace
+    may not go from accum_steps 1 to 2 (its t moves before use at 1, after the step above 1)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from train_helpers import LinearBackbone, linear_model, load_weights, synthetic_set, tiny_params
+
+    from facepipe.errors import FacepipeError
+    from facepipe.stages.train import run
+
+    shard_set = synthetic_set(tmp_path / "set", identities=5, per_identity=12)  # 60 samples: 7 steps of 8
+    common = {"head": "curricularface", "scale": 8.0, "checkpoint_every": 3, "reference_batch": 8, "epochs": 1}
+    out, whole = tmp_path / "resized", tmp_path / "whole"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    two = {**common, "head_parallel": "sharded", "batch_size": 4}
+    mp.spawn(stage_worker, args=(port, str(shard_set), str(out), two), nprocs=2, join=True)
+    head_keys = set(LinearBackbone(16, 16).state_dict())
+    assert set(load_weights(out / "backbone.pt")) == head_keys  # the sharded run's export: backbone only
+
+    with pytest.raises(FacepipeError, match=r"other train params \(accum_steps;"):
+        run(tiny_params(**common, batch_size=4, accum_steps=2), shard_set, out, model_factory=linear_model)
+    one = tiny_params(**common, head_parallel="dense", batch_size=8)
+    report = run(one, shard_set, out, model_factory=linear_model)
+    assert (report.resumed_from_step, report.steps, report.world_size) == (3, 7, 1)
+    run(one, shard_set, whole, model_factory=linear_model)
+    resumed, reference = stage_losses(out), stage_losses(whole)
+    assert sorted(resumed) == sorted(reference) == list(range(1, 8))
+    assert resumed == pytest.approx(reference, rel=1e-5)
+    weights = load_weights(out / "backbone.pt")
+    assert set(weights) == head_keys
+    for name, value in load_weights(whole / "backbone.pt").items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)

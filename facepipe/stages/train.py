@@ -67,8 +67,20 @@ log = logging.getLogger("facepipe.train")
 #: Parameters that change how a run reports or is laid out, never what it computes: a resumed run
 #: may change them.
 OPERATIONAL_KEYS = frozenset(
-    {"num_workers", "log_every", "checkpoint_every", "keep_checkpoints", "nproc_per_node", "device", "skip_corrupt_records"}
+    {
+        "num_workers",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "nproc_per_node",
+        "device",
+        "skip_corrupt_records",
+        "head_parallel",  # checkpoints hold all class centres in class order whichever head wrote them
+    }
 )
+#: How one optimizer step is split over processes and micro-batches: a resumed run may change them
+#: (e.g. at another world size) as long as the effective batch stays the checkpoint's.
+LAYOUT_KEYS = frozenset({"batch_size", "accum_steps"})
 
 #: Builds the model to train: (params, num_classes=, image_size=) -> FaceModel.
 ModelFactory = Callable[..., FaceModel]
@@ -126,10 +138,24 @@ def data_fingerprint(dataset: FaceDataset) -> str:
     return digest.hexdigest()
 
 
-def check_resumable(state: dict[str, Any], *, params: TrainParams, fingerprint: str, source: Path) -> None:
-    """A checkpoint may continue this run only if it trained the same thing on the same data."""
-    saved = {k: v for k, v in state["config"].items() if k not in OPERATIONAL_KEYS}
-    wanted = {k: v for k, v in params.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+def check_resumable(
+    state: dict[str, Any], *, params: TrainParams, fingerprint: str, source: Path, effective_batch: int | None = None
+) -> None:
+    """A checkpoint may continue this run only if it trained the same thing on the same data.
+
+    ``batch_size`` and ``accum_steps`` may differ when this run's ``effective_batch`` (samples per
+    optimizer step, all processes) equals the checkpoint's: the same steps, laid out differently.
+    Not CurricularFace's ``accum_steps`` between 1 and more: its ``t`` moves before use at 1 and
+    after the step above 1 (a different run).
+    """
+    ignored = OPERATIONAL_KEYS
+    if effective_batch is not None and state.get("plan", {}).get("effective_batch") == effective_batch:
+        ignored = OPERATIONAL_KEYS | LAYOUT_KEYS
+        saved_accum = state["config"].get("accum_steps", 1)
+        if params.head == "curricularface" and (saved_accum > 1) != (params.accum_steps > 1):
+            ignored = ignored - {"accum_steps"}
+    saved = {k: v for k, v in state["config"].items() if k not in ignored}
+    wanted = {k: v for k, v in params.model_dump(mode="json").items() if k not in ignored}
     changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
     if changed:
         first = changed[0]
@@ -345,7 +371,9 @@ def _resume(trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerp
     if latest is None:
         return None
     state = found[1] if found is not None else load_checkpoint(latest)
-    check_resumable(state, params=params, fingerprint=fingerprint, source=Path(latest))
+    check_resumable(
+        state, params=params, fingerprint=fingerprint, source=Path(latest), effective_batch=trainer.plan.effective_batch
+    )
     trainer.load_checkpoint_state(state, source=str(latest))
     log.info("resuming from %s (step %d, epoch %d)", latest, trainer.state.step, trainer.state.epoch)
     return int(state["step"])
