@@ -239,17 +239,19 @@ def test_holdout_count_limits_and_messages() -> None:
 
 
 def test_few_negatives_are_all_enumerated_exactly() -> None:
-    # identities of 2, 1 and 1 samples (indexes 0-1, 2, 3): 1 same pair; different pairs
-    # (0,2) (0,3) (1,2) (1,3) (2,3) = 5, fewer than 4 x the 1 asked for, so they are enumerated.
-    labels = _pair_labels([2, 1, 1])
+    # identities {0,1,2} {3} {4}: 3 same pairs, and 7 different pairs, fewer than 4 x the 3 asked for, so
+    # the different pairs are enumerated and 3 of them drawn
+    labels = _pair_labels([3, 1, 1])
+    different = {(0, 3), (1, 3), (2, 3), (0, 4), (1, 4), (2, 4), (3, 4)}
     every = set()
     for seed in range(40):
-        result = sample_pairs(labels, np.arange(3), num_pairs=2, seed=seed)
-        assert result.indexes.dtype == np.int64 and result.indexes.shape == (2, 2)
+        result = sample_pairs(labels, np.arange(3), num_pairs=6, seed=seed)
+        assert result.indexes.dtype == np.int64 and result.indexes.shape == (6, 2)
+        assert {tuple(p) for p in result.indexes[result.same].tolist()} == {(0, 1), (0, 2), (1, 2)}
         pairs = {tuple(p) for p in result.indexes[~result.same].tolist()}
-        assert [tuple(p) for p in result.indexes[result.same].tolist()] == [(0, 1)]
+        assert len(pairs) == 3 and pairs <= different
         every |= pairs
-    assert every == {(0, 2), (0, 3), (1, 2), (1, 3), (2, 3)}  # each is drawn by some seed, nothing else
+    assert every == different  # each is drawn by some seed, nothing else
 
 
 def test_all_negatives_of_three_identities_when_all_are_asked_for() -> None:
@@ -412,3 +414,14 @@ def test_embed_images_feeds_the_model_batches_of_the_given_size() -> None:
     images = [np.full((4, 4, 3), k, np.uint8) for k in range(7)]
     out = embed_images(Recorder(), images, count=7, batch_size=3, flip=False, progress=False)
     assert sizes == [3, 3, 1] and out.shape == (7, 3)
+
+
+def test_fold_ids_are_int64_and_a_score_on_the_threshold_counts_as_same() -> None:
+    assert fold_ids(np.array([True, False] * 3), 3).dtype == np.int64
+    # dyadic scores, so the learnt midpoints are exact. Fold 0 learns on fold 1 (same 0.75, different
+    # 0.25): threshold 0.5, and fold 0's same pair scores exactly 0.5, which counts as "same" (>=).
+    scores = np.array([0.5, 0.75, 0.125, 0.25])
+    same = np.array([True, True, False, False])
+    accuracies, thresholds = kfold_accuracy(scores, same, folds=2)
+    np.testing.assert_array_equal(thresholds, [0.5, 0.3125])
+    np.testing.assert_array_equal(accuracies, [1.0, 1.0])
