@@ -193,6 +193,13 @@ class TrainParams(Section):
         description="dense: every class centre on every process; sharded: centres split across the processes "
         "(model parallel, for very many identities; the same as dense with one process)",
     )
+    sample_rate: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Partial FC: the share of each process's class centres a step uses (all classes in the "
+        "batch plus random others); < 1 needs head_parallel: sharded",
+    )
     scale: float = Field(64.0, gt=0, description="logit scale s of the margin head")
     margin: float | None = Field(None, description="margin m of the head; null = the head's default")
     gradient_checkpointing: bool = False
@@ -232,6 +239,12 @@ class TrainParams(Section):
         False, description="skip (log and count) records whose checksum fails instead of stopping the run"
     )
     augment: AugmentParams = AugmentParams()
+
+    @model_validator(mode="after")
+    def _sampling_needs_the_sharded_head(self) -> TrainParams:
+        if self.sample_rate < 1 and self.head_parallel != "sharded":
+            raise ValueError(f"sample_rate {self.sample_rate} < 1 needs head_parallel: sharded")
+        return self
 
     @field_validator("amp", mode="before")
     @classmethod

@@ -49,6 +49,7 @@ def create_model_parallel_head(
     margin: float | None = None,
     process_group: ProcessGroup | None = None,
     seed: int = 0,
+    sample_rate: float = 1.0,
 ) -> ModelParallelMarginHead:
     """A sharded margin head: ``head(embeddings [B, E], labels [B]) -> scalar loss`` (a collective).
 
@@ -64,4 +65,5 @@ def create_model_parallel_head(
         scale=scale,
         process_group=process_group,
         seed=seed,
+        sample_rate=sample_rate,
     )

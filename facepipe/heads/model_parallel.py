@@ -1,10 +1,14 @@
-"""The model-parallel margin head: class centres sharded across ranks (Partial FC, sample rate 1).
+"""The model-parallel margin head: class centres sharded across ranks (Partial FC).
 
 Each rank holds the centres of a contiguous class range, sees the embeddings of the global batch
 (all-gathered) and computes logits for its classes only; the softmax cross-entropy is assembled
 across ranks from an all-reduced max, sum of exponentials and target logit. Memory for the
 centres and the logits falls by the number of ranks, which is what makes millions of identities
-trainable.
+trainable. At ``sample_rate`` < 1 each forward uses only a sample of each rank's centres (every
+positive of the global batch and random others, ``facepipe.heads.sampling``): the logits, their
+softmax and the centres' gradient shrink by the rate. Unsampled centres get a zero gradient in that
+step; the optimizer still applies momentum and weight decay to them (as insightface's Partial FC
+v2): with SGD they drift along their momentum and shrink by ``lr * weight_decay``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch.distributed import ProcessGroup
 from facepipe.heads.centres import init_centres
 from facepipe.heads.dense import HeadOutput
 from facepipe.heads.margins import Margin, compute_dtype, gather_targets, normalized_cosines
+from facepipe.heads.sampling import sample_classes
 
 
 def class_shard(num_classes: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -106,8 +111,11 @@ class ModelParallelMarginHead(nn.Module):
         scale: float,
         process_group: ProcessGroup | None = None,
         seed: int = 0,
+        sample_rate: float = 1.0,
     ) -> None:
         super().__init__()
+        if not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("the model-parallel head needs an initialized process group")
         self.process_group = process_group
@@ -118,6 +126,11 @@ class ModelParallelMarginHead(nn.Module):
         self.num_classes = num_classes
         self.class_start, self.num_local = class_shard(num_classes, self.rank, self.world_size)
         self.scale = float(scale)
+        self.seed, self.sample_rate = seed, float(sample_rate)
+        #: (step, micro-batch) of the next forward, set by the trainer: keys Partial FC's draw
+        self.sample_key: tuple[int, int] = (0, 0)
+        #: this rank's classes used by the last forward ([K] int64), None at sample_rate 1
+        self.last_index: torch.Tensor | None = None
         # target_cos below already covers the global batch: no second reduction of statistics
         margin.sync_statistics = False
         self.margin = margin
@@ -143,7 +156,12 @@ class ModelParallelMarginHead(nn.Module):
         local = torch.cat(label_parts) - self.class_start
         local = torch.where((local >= 0) & (local < self.num_local), local, torch.full_like(local, -1))
 
-        cos = normalized_cosines(all_embeddings, self.weight)
+        weight = self.weight
+        if self.sample_rate < 1.0:
+            key = (self.seed, *self.sample_key, self.class_start)
+            self.last_index, local = sample_classes(local, num_local=self.num_local, sample_rate=self.sample_rate, key=key)
+            weight = self.weight[self.last_index]  # the gradient reaches the sampled rows only
+        cos = normalized_cosines(all_embeddings, weight)
         target_cos = gather_targets(cos.detach(), local)
         dist.all_reduce(target_cos, op=dist.ReduceOp.SUM, group=group)
         logits = self.margin(cos, local, target_cos) * self.scale
@@ -181,5 +199,6 @@ class ModelParallelMarginHead(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"embedding_size={self.weight.shape[1]}, num_classes={self.num_classes}, scale={self.scale}, "
+            f"sample_rate={self.sample_rate}, "
             f"classes=[{self.class_start}, {self.class_start + self.num_local}) of rank {self.rank}/{self.world_size}"
         )

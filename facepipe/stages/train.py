@@ -125,8 +125,15 @@ def build_head(params: TrainParams, *, num_classes: int) -> nn.Module:
     """
     kwargs = {"embedding_size": params.embedding_size, "num_classes": num_classes, "scale": params.scale}
     if params.head_parallel == "sharded" and dist.is_initialized() and dist.get_world_size() > 1:
-        return create_model_parallel_head(params.head, margin=params.margin, seed=params.seed, **kwargs)
+        return create_model_parallel_head(
+            params.head, margin=params.margin, seed=params.seed, sample_rate=params.sample_rate, **kwargs
+        )
     # one process: the sharded head would hold every class, which is the dense head
+    if params.sample_rate < 1:
+        log.warning(
+            "train.sample_rate %s applies to the sharded head of 2+ processes: one process uses all classes",
+            params.sample_rate,
+        )
     return create_head(params.head, margin=params.margin, seed=params.seed, **kwargs)
 
 

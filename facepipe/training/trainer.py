@@ -169,6 +169,8 @@ class Trainer:
         for index, (images, labels) in enumerate(micro_batches):
             images = normalize(images.to(device, non_blocking=True))  # uint8 batches: [-1, 1] on the device
             labels = labels.to(device, non_blocking=True)
+            if self.sharded:  # Partial FC's draw: a function of the step, so a resumed run repeats it
+                self.module.head.sample_key = (self.state.step, index)
             with gradient_sync(self.model, enabled=index == last):
                 with torch.autocast(
                     device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
