@@ -77,7 +77,7 @@ def test_load_full_weight_checks_the_shape(one_rank_group: None) -> None:
     head = create_model_parallel_head("arcface", embedding_size=4, num_classes=3)
     with pytest.raises(ValueError, match=r"^expected class centres \[3, 4\], got \[3, 5\]$"):
         head.load_full_weight(torch.zeros(3, 5))
-    assert "(\n  embedding_size=4, num_classes=3, scale=64.0, classes=[0, 3) of rank 0/1\n" in repr(head)
+    assert "(\n  embedding_size=4, num_classes=3, scale=64.0, sample_rate=1.0, classes=[0, 3) of rank 0/1\n" in repr(head)
 
 
 def test_head_arguments_are_checked() -> None:
