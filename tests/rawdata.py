@@ -5,12 +5,17 @@ from __future__ import annotations
 import io
 import os
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import matplotlib.cbook
 import numpy as np
 import skimage.data
 from PIL import Image
+
+from facepipe.config import PrepareParams
+from facepipe.data.extract import process_chunk
 
 
 def hopper() -> np.ndarray:
@@ -101,3 +106,14 @@ class StandInDetector:
             points = template(112) * (side / 112.0)
             faces.append([Face(box=np.array([0.0, 0.0, side, side]), score=0.99, landmarks=points)])
         return faces
+
+
+def in_process(raw: Path, params: PrepareParams) -> Callable[[list[str]], Future]:
+    """A ``submit`` for ``prepare.run`` that runs the chunk worker in this process (no Dask cluster: a
+    fast, real prepare), each chunk as a done future."""
+    def submit(paths: list[str]) -> Future:
+        future: Future = Future()
+        future.set_result(process_chunk(paths, str(raw), params, "cpu"))
+        return future
+
+    return submit

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import tempfile
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -24,25 +23,13 @@ from hypothesis import strategies as st
 import facepipe.data.extract as extract
 import facepipe.data.scan as scan
 from facepipe.config import PrepareParams
-from facepipe.data.extract import process_chunk
 from facepipe.data.scan import scan_raw, unescape_path
 from facepipe.io import ShardSet
 from facepipe.stages import prepare
 from facepipe.stages.inspect import verify
-from rawdata import TEST_PARAMS, StandInDetector, astronaut, hopper, jpeg_bytes, save, variant
+from rawdata import TEST_PARAMS, StandInDetector, astronaut, hopper, in_process, jpeg_bytes, save, variant
 
 SET_FILES = ("manifest.json", "labels.json", "rejects.jsonl")
-
-
-def in_process(raw: Path, params: PrepareParams):
-    """A ``submit`` for prepare.run that runs the chunk worker here (no Dask), as a done future."""
-
-    def submit(paths: list[str]) -> Future:
-        future: Future = Future()
-        future.set_result(process_chunk(paths, str(raw), params, "cpu"))
-        return future
-
-    return submit
 
 
 def deny(folders: set[bytes]):

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +24,16 @@ from PIL import Image
 
 from facepipe.cli import main
 from facepipe.config import PrepareParams
-from facepipe.data.extract import process_chunk
 from facepipe.io.synthetic import write_synthetic_shard_set
 from facepipe.quality import REPORT_FILE, Limits, collect, write_report
 from facepipe.stages import prepare
-from rawdata import TEST_PARAMS, make_faces_raw
+from rawdata import TEST_PARAMS, in_process, make_faces_raw
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None,
     reason="chromium not installed: `make test` and .ci/run install Debian's chromium (apt-get, as root); here it could not be",
 )
-
-
-def in_process(raw: Path, params: PrepareParams):
-    """A ``submit`` for prepare.run that runs each chunk here (no Dask cluster: a fast, real prepare)."""
-
-    def submit(paths: list[str]) -> Future:
-        future: Future = Future()
-        future.set_result(process_chunk(paths, str(raw), params, "cpu"))
-        return future
-
-    return submit
 
 
 @pytest.fixture(scope="module")
