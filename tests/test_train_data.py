@@ -164,6 +164,8 @@ def test_a_fresh_sampler_and_set_epochs_default_start_at_the_first_sample():
     assert batches == epoch_batches(ShardOrderSampler(ITEM_SHARDS, batch_size=4, buffer_size=8, seed=2), 0, start=0)
     fresh.set_epoch(3)
     assert list(fresh) == epoch_batches(ShardOrderSampler(ITEM_SHARDS, batch_size=4, buffer_size=8, seed=2), 3, start=0)
+    # the stream is int64 even when there is nothing to shuffle
+    assert shuffled_stream(np.zeros(0, np.int64), epoch=0, seed=0, buffer_size=8).dtype == np.int64
 
 
 def test_a_start_at_or_past_the_end_leaves_nothing():
