@@ -139,3 +139,73 @@ def test_curricularface_logits_stay_float32_for_float32_embeddings_in_a_float64_
     head = create_head("curricularface", embedding_size=3, num_classes=4, scale=2.0).double().train()
     logits = head(torch.randn(5, 3), torch.tensor([0, 1, 2, 3, 0]))
     assert logits.dtype == torch.float32 and head.margin.t.dtype == torch.float64
+
+
+# --- Partial FC class sampling and the heads' loss_and_correct -----------------------------------------
+
+
+def test_sample_count_closed_forms() -> None:
+    from facepipe.heads.sampling import sample_count
+
+    assert [sample_count(10, r) for r in (0.25, 0.3, 1.0, 0.01)] == [3, 3, 10, 1]  # ceil(2.5), ceil(3.0)
+    assert sample_count(7, 0.999) == 7  # ceil(6.993) = 7, never more than the rank holds
+
+
+def test_sample_classes_keeps_positives_remaps_labels_and_draws_the_rest_uniformly() -> None:
+    from facepipe.heads.sampling import sample_classes
+
+    local = torch.tensor([2, -1, 5, 2])
+    chosen = torch.zeros(10, dtype=torch.long)
+    subsets = set()
+    for step in range(400):
+        index, labels = sample_classes(local, num_local=10, sample_rate=0.3, key=(7, step, 0, 0))
+        assert index.dtype == torch.int64 and len(index) == 3  # ceil(0.3 * 10) with both positives in it
+        assert torch.equal(index, torch.unique(index)) and {2, 5} <= set(index.tolist())
+        assert labels.tolist()[1] == -1 and all(index[labels[k]] == local[k] for k in (0, 2, 3))
+        again = sample_classes(local, num_local=10, sample_rate=0.3, key=(7, step, 0, 0))
+        assert torch.equal(again[0], index) and torch.equal(again[1], labels)  # a resumed run redraws it
+        chosen[index] += 1
+        subsets.add(tuple(index.tolist()))
+    assert chosen[2] == chosen[5] == 400
+    # the third class is uniform over the 8 others: 50 each expected (binomial std 6.6; 25..75 > 3.5 std)
+    others = chosen[[k for k in range(10) if k not in (2, 5)]]
+    assert int(others.sum()) == 400 and bool(((25 <= others) & (others <= 75)).all()), others
+    # more distinct positives than the sample size: exactly the positives
+    index, labels = sample_classes(torch.tensor([0, 3, 6, 9]), num_local=10, sample_rate=0.1, key=(1,))
+    assert index.tolist() == [0, 3, 6, 9] and labels.tolist() == [0, 1, 2, 3]
+
+
+def test_dense_loss_and_correct_by_hand() -> None:
+    head = create_head("cosface", embedding_size=2, num_classes=3, scale=4.0, margin=0.5)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]]))
+    embeddings = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.1]])
+    labels = torch.tensor([0, 0, 1])
+    output = head.loss_and_correct(embeddings, labels)
+    # row 0: class 0 at cos 1 - 0.5 beats 0 and -1: correct; row 1: class 0 at 0 - 0.5 < class 1's 1:
+    # wrong; row 2: class 1 at 0.0995 - 0.5 < class 0's 0.995: wrong
+    assert int(output.correct) == 1 and output.correct.dtype == torch.int64 and output.samples == 3
+    torch.testing.assert_close(output.loss, F.cross_entropy(head(embeddings, labels), labels))
+
+
+def test_one_rank_partial_fc_is_the_dense_head_on_the_sampled_classes(one_rank_group: None) -> None:
+    torch.manual_seed(0)
+    sharded = create_model_parallel_head("arcface", embedding_size=4, num_classes=12, scale=8.0, sample_rate=0.25)
+    sharded.double()
+    embeddings = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([3, 3, 7, 0, 7])
+    output = sharded.loss_and_correct(embeddings, labels)
+    index = sharded.last_index
+    assert index is not None and {0, 3, 7} <= set(index.tolist()) and len(index) == 3  # ceil(3) = the positives
+    # the same computation by the dense head restricted to those centres, labels renumbered
+    dense = create_head("arcface", embedding_size=4, num_classes=len(index), scale=8.0).double()
+    with torch.no_grad():
+        dense.weight.copy_(sharded.weight[index])
+    remapped = torch.searchsorted(index, labels)
+    logits = dense(embeddings.detach(), remapped)
+    torch.testing.assert_close(output.loss, F.cross_entropy(logits, remapped))
+    assert int(output.correct) == int((logits.argmax(dim=1) == remapped).sum()) and output.samples == 5
+    output.loss.backward()
+    unsampled = [k for k in range(12) if k not in index.tolist()]
+    assert torch.count_nonzero(sharded.weight.grad[unsampled]) == 0
+    assert torch.count_nonzero(sharded.weight.grad[index]) > 0
