@@ -209,3 +209,25 @@ def test_one_rank_partial_fc_is_the_dense_head_on_the_sampled_classes(one_rank_g
     unsampled = [k for k in range(12) if k not in index.tolist()]
     assert torch.count_nonzero(sharded.weight.grad[unsampled]) == 0
     assert torch.count_nonzero(sharded.weight.grad[index]) > 0
+
+
+def test_initial_centres_do_not_depend_on_the_range_they_are_drawn_in() -> None:
+    from facepipe.heads.centres import BLOCK, init_centres
+
+    whole = init_centres(0, 2 * BLOCK + 10, embedding_size=3, seed=5)
+    assert whole.shape == (2 * BLOCK + 10, 3) and whole.dtype == torch.float32
+    # any split, across block boundaries or inside one block, gives the same rows
+    for start, count in [(0, 1), (1, 2), (BLOCK - 2, 5), (BLOCK, 3), (BLOCK + 7, BLOCK + 3), (2 * BLOCK + 9, 1)]:
+        torch.manual_seed(start)  # the global generator must not matter
+        torch.testing.assert_close(
+            init_centres(start, count, embedding_size=3, seed=5), whole[start : start + count], rtol=0, atol=0
+        )
+    assert init_centres(7, 0, embedding_size=3, seed=5).shape == (0, 3)
+    assert not torch.equal(init_centres(0, 4, embedding_size=3, seed=6), whole[:4])  # another seed
+    assert not torch.equal(whole[:BLOCK], whole[BLOCK : 2 * BLOCK])  # blocks have their own generators
+    # negative seeds wrap to 64 bits; N(0, 0.01²): 6,000+ draws put the sample std within 5 % of 0.01
+    torch.testing.assert_close(init_centres(0, 2, embedding_size=3, seed=-1), init_centres(0, 2, embedding_size=3, seed=2**64 - 1))
+    assert abs(whole.std().item() - 0.01) < 5e-4
+    for start, count in [(-1, 2), (0, -1)]:
+        with pytest.raises(ValueError, match=rf"^class range must be non-negative, got start {start}, count {count}$"):
+            init_centres(start, count, embedding_size=3, seed=5)
