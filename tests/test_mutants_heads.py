@@ -231,3 +231,40 @@ def test_initial_centres_do_not_depend_on_the_range_they_are_drawn_in() -> None:
     for start, count in [(-1, 2), (0, -1)]:
         with pytest.raises(ValueError, match=rf"^class range must be non-negative, got start {start}, count {count}$"):
             init_centres(start, count, embedding_size=3, seed=5)
+
+
+def test_curricularface_deferred_mode_applies_the_whole_steps_mean_at_end_step() -> None:
+    from facepipe.heads.margins import CurricularFaceMargin
+
+    margin = CurricularFaceMargin(0.5).train()
+    margin.deferred = True  # as the trainer sets it with gradient accumulation
+    assert margin.pending.dtype == torch.float64 and "pending" not in margin.state_dict()
+    for cos, target in [([[0.5, 0.1]], [0.5]), ([[0.3, 0.2], [0.7, 0.1]], [0.3, 0.7])]:
+        margin(torch.tensor(cos, dtype=torch.float64), torch.zeros(len(target), dtype=torch.long), torch.tensor(target, dtype=torch.float64))
+    assert margin.t.item() == 0.0  # micro-batches only collect
+    margin.end_step()
+    assert margin.t.item() == pytest.approx(0.01 * 0.5)  # alpha x the mean of 0.5, 0.3, 0.7
+    assert margin.pending.tolist() == [0.0, 0.0]
+    margin.end_step()  # an empty step leaves t as it is
+    assert margin.t.item() == pytest.approx(0.005)
+
+
+def test_head_seed_and_sample_rate_defaults_and_limits(one_rank_group: None) -> None:
+    from facepipe.heads.centres import init_centres
+    from facepipe.heads.sampling import sample_classes
+
+    # default seed 0, rows from class 0 on
+    expected = init_centres(0, 6, embedding_size=3, seed=0)
+    torch.testing.assert_close(create_head("arcface", embedding_size=3, num_classes=6).weight.detach(), expected)
+    full = create_model_parallel_head("arcface", embedding_size=3, num_classes=6)
+    torch.testing.assert_close(full.weight.detach(), expected)
+    full(torch.randn(2, 3), torch.tensor([1, 4]))
+    assert full.last_index is None  # rate 1: no sampling at all
+    sampled = create_model_parallel_head("arcface", embedding_size=3, num_classes=6, sample_rate=0.5)
+    sampled(torch.randn(2, 3), torch.tensor([1, 4]))
+    # the first draw is keyed by (seed 0, step 0, micro-batch 0, first class 0)
+    assert torch.equal(sampled.last_index, sample_classes(torch.tensor([1, 4]), num_local=6, sample_rate=0.5, key=(0, 0, 0, 0))[0])
+    create_model_parallel_head("arcface", embedding_size=3, num_classes=6, sample_rate=1.0)
+    for rate in (0.0, 1.5):
+        with pytest.raises(ValueError, match=rf"^sample_rate must be in \(0, 1\], got {rate}$"):
+            create_model_parallel_head("arcface", embedding_size=3, num_classes=6, sample_rate=rate)
