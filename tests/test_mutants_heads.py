@@ -222,7 +222,8 @@ def test_initial_centres_do_not_depend_on_the_range_they_are_drawn_in() -> None:
         torch.testing.assert_close(
             init_centres(start, count, embedding_size=3, seed=5), whole[start : start + count], rtol=0, atol=0
         )
-    assert init_centres(7, 0, embedding_size=3, seed=5).shape == (0, 3)
+    for start in (0, 7, BLOCK):
+        assert init_centres(start, 0, embedding_size=3, seed=5).shape == (0, 3)
     assert not torch.equal(init_centres(0, 4, embedding_size=3, seed=6), whole[:4])  # another seed
     assert not torch.equal(whole[:BLOCK], whole[BLOCK : 2 * BLOCK])  # blocks have their own generators
     # negative seeds wrap to 64 bits; N(0, 0.01²): 6,000+ draws put the sample std within 5 % of 0.01
@@ -239,11 +240,11 @@ def test_curricularface_deferred_mode_applies_the_whole_steps_mean_at_end_step()
     margin = CurricularFaceMargin(0.5).train()
     margin.deferred = True  # as the trainer sets it with gradient accumulation
     assert margin.pending.dtype == torch.float64 and "pending" not in margin.state_dict()
-    for cos, target in [([[0.5, 0.1]], [0.5]), ([[0.3, 0.2], [0.7, 0.1]], [0.3, 0.7])]:
+    for cos, target in [([[0.9, 0.1]], [0.9]), ([[0.3, 0.2], [0.3, 0.1]], [0.3, 0.3])]:  # step mean 0.5, last 0.3
         margin(torch.tensor(cos, dtype=torch.float64), torch.zeros(len(target), dtype=torch.long), torch.tensor(target, dtype=torch.float64))
     assert margin.t.item() == 0.0  # micro-batches only collect
     margin.end_step()
-    assert margin.t.item() == pytest.approx(0.01 * 0.5)  # alpha x the mean of 0.5, 0.3, 0.7
+    assert margin.t.item() == pytest.approx(0.01 * 0.5)  # alpha x the mean of 0.9, 0.3, 0.3
     assert margin.pending.tolist() == [0.0, 0.0]
     margin.end_step()  # an empty step leaves t as it is
     assert margin.t.item() == pytest.approx(0.005)
@@ -268,3 +269,20 @@ def test_head_seed_and_sample_rate_defaults_and_limits(one_rank_group: None) -> 
     for rate in (0.0, 1.5):
         with pytest.raises(ValueError, match=rf"^sample_rate must be in \(0, 1\], got {rate}$"):
             create_model_parallel_head("arcface", embedding_size=3, num_classes=6, sample_rate=rate)
+
+
+def test_factories_pass_the_seed_and_arcface_takes_the_linear_branch_from_the_boundary_on(one_rank_group: None) -> None:
+    import math
+
+    from facepipe.heads.centres import init_centres
+    from facepipe.heads.margins import angular_target
+
+    for head in (
+        create_head("cosface", embedding_size=3, num_classes=4, seed=9),
+        create_model_parallel_head("cosface", embedding_size=3, num_classes=4, seed=9),
+    ):
+        torch.testing.assert_close(head.weight.detach(), init_centres(0, 4, embedding_size=3, seed=9))
+    # cos θ exactly at cos(π − m): θ + m = π, where the logit switches to cos θ − m·sin m
+    m = 0.5
+    boundary = torch.tensor([math.cos(math.pi - m)], dtype=torch.float64)
+    torch.testing.assert_close(angular_target(boundary, m), boundary - m * math.sin(m))
