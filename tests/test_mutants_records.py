@@ -60,6 +60,8 @@ def test_the_checksum_can_be_skipped_only_on_request() -> None:
     with pytest.raises(RecordError, match="^record checksum mismatch"):
         payload_offset(bytes(data))
     assert payload_offset(bytes(data), verify=False) == 40
+    with pytest.raises(RecordError, match="^record checksum mismatch"):
+        decode_header(bytes(data))  # checked by default here too
     assert decode_record(bytes(data), verify=False).payload[:-1] == PAYLOAD[:-1]
 
 
