@@ -149,3 +149,28 @@ def test_align_face_default_size_and_black_border():
     aligned = align_face(image, landmarks)
     assert aligned.shape == (112, 112, 3)
     assert (aligned[:15, :15] == 0).all() and (aligned[60:, 60:] == 255).all()
+
+
+def test_umeyama_without_reflection_when_the_singular_values_differ():
+    # dst: the template mirrored and stretched unevenly, so a reflection fits it best and the two
+    # singular values of the covariance differ. The answer must be the best *proper* similarity:
+    # compared with a brute-force search over the angle, where
+    # scale and translation have a closed form for each angle (linear least squares).
+    src = np.array(ARCFACE_TEMPLATE_112)
+    dst = src * np.array([-1.3, 0.8]) + np.array([5.0, -2.0])
+
+    def residual(matrix):
+        return float(((apply_transform(matrix, src) - dst) ** 2).sum())
+
+    best = math.inf
+    for theta in np.linspace(-math.pi, math.pi, 20001):
+        c, s = math.cos(theta), math.sin(theta)
+        rotated = src @ np.array([[c, -s], [s, c]]).T
+        rc, dc = rotated - rotated.mean(0), dst - dst.mean(0)
+        scale = (rc * dc).sum() / (rc * rc).sum()
+        shift = dst.mean(0) - scale * rotated.mean(0)
+        matrix = np.array([[scale * c, -scale * s, shift[0]], [scale * s, scale * c, shift[1]]])
+        best = min(best, residual(matrix))
+    matrix = umeyama(src, dst)
+    assert np.linalg.det(matrix[:, :2]) > 0  # a rotation times a positive scale, not a reflection
+    assert residual(matrix) <= best + 1e-6 * best  # at least as good as the finest angle on the grid
