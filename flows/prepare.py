@@ -24,7 +24,7 @@ from prefect.cache_policies import NONE as NO_CACHE
 from prefect.context import FlowRunContext
 from prefect_dask import DaskTaskRunner
 
-from flows.api import share_api_with_workers
+from flows.api import api_shared_with_workers
 from flows.logs import configure_console, dask_silence
 
 
@@ -108,25 +108,25 @@ def run_prepare_flow(
     # fail on bad input before any server or cluster starts
     load_section(params_file, "prepare")
     prepare_stage.check_paths(raw, out)
-    share_api_with_workers()
-    if scheduler_address:
-        runner = DaskTaskRunner(address=scheduler_address)
-    else:
-        runner = DaskTaskRunner(
-            cluster_kwargs={
-                "n_workers": workers or default_workers(),
-                "threads_per_worker": 1,
-                "processes": True,
-                "host": "127.0.0.1",
-                "dashboard_address": DASHBOARD_ADDRESS,
-                "silence_logs": dask_silence(verbose=verbose),
-            }
-        )
-    with worker_config():  # the task runner starts its cluster inside the flow
-        return prepare_flow.with_options(task_runner=runner)(
-            str(raw), str(out), params_file=None if params_file is None else str(params_file), workers=workers,
-            device=device,
-        )
+    with api_shared_with_workers():
+        if scheduler_address:
+            runner = DaskTaskRunner(address=scheduler_address)
+        else:
+            runner = DaskTaskRunner(
+                cluster_kwargs={
+                    "n_workers": workers or default_workers(),
+                    "threads_per_worker": 1,
+                    "processes": True,
+                    "host": "127.0.0.1",
+                    "dashboard_address": DASHBOARD_ADDRESS,
+                    "silence_logs": dask_silence(verbose=verbose),
+                }
+            )
+        with worker_config():  # the task runner starts its cluster inside the flow
+            return prepare_flow.with_options(task_runner=runner)(
+                str(raw), str(out), params_file=None if params_file is None else str(params_file),
+                workers=workers, device=device,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

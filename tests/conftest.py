@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,17 @@ else:
 
 from facepipe.config import SampleDataParams
 from facepipe.data.sample import make_sample_dataset
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Tests run command mains in-process, and those export settings for the processes they start
+    (PREFECT_API_URL, Prefect's console level): a later test's subprocesses must not inherit them."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")

@@ -39,20 +39,37 @@ def test_the_prefect_server_a_flow_run_starts_listens_on_loopback_only(monkeypat
     """Without PREFECT_API_URL the flows start one temporary Prefect server; it is stopped here by PID."""
     from prefect.server.api.server import SubprocessASGIServer
 
-    from flows.api import share_api_with_workers
+    from flows.api import api_shared_with_workers
 
-    # set, then deleted: monkeypatch then restores the variable's state from before the test at teardown
-    # (share_api_with_workers exports the URL of a server this test stops)
-    monkeypatch.setenv("PREFECT_API_URL", "")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with api_shared_with_workers() as url:
+        server = SubprocessASGIServer()  # the instance api_shared_with_workers started (one per port)
+        try:
+            assert os.environ["PREFECT_API_URL"] == url == server.api_url and url.startswith("http://127.0.0.1:")
+            root = psutil.Process(server.server_process.pid)
+            listening = _listening([proc.pid for proc in (root, *root.children(recursive=True))])
+            assert listening and all(ipaddress.ip_address(ip).is_loopback for ip, _ in listening), listening
+        finally:
+            server.stop()
+            assert not psutil.pid_exists(root.pid) or root.status() == psutil.STATUS_ZOMBIE
+    # the URL of a server that is gone is not left for later runs in this process (or their children)
+    assert "PREFECT_API_URL" not in os.environ
+
+
+def test_an_api_given_by_settings_is_shared_and_the_environment_restored(monkeypatch: pytest.MonkeyPatch):
+    """A harness or profile sets the API in Prefect's settings, not the environment: workers get it through
+    the environment for the run only, and an earlier value comes back afterwards."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.api import api_shared_with_workers
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:2/api"}):
+        with api_shared_with_workers() as url:
+            assert url == os.environ["PREFECT_API_URL"] == "http://127.0.0.1:2/api"
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:1/api"
     monkeypatch.delenv("PREFECT_API_URL")
-    url = share_api_with_workers()
-    server = SubprocessASGIServer()  # the instance share_api_with_workers started (one per port)
-    try:
-        assert url == server.api_url and url.startswith("http://127.0.0.1:")
-        root = psutil.Process(server.server_process.pid)
-        listening = _listening([proc.pid for proc in (root, *root.children(recursive=True))])
-        assert listening and all(ipaddress.ip_address(ip).is_loopback for ip, _ in listening), listening
-    finally:
-        server.stop()
-        assert not psutil.pid_exists(root.pid) or root.status() == psutil.STATUS_ZOMBIE
-
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:2/api"}):
+        with api_shared_with_workers():
+            pass
+    assert "PREFECT_API_URL" not in os.environ
