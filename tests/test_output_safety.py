@@ -412,3 +412,25 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_with_a_warning(s
     assert report.resumed_from_step == previous_step and report.steps == 4
     assert any(newest.name in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     assert (out / "checkpoints" / f"{newest.name}.corrupt").exists()
+
+
+def test_a_set_aside_output_is_recovered_when_the_next_run_gets_the_same_pid(shard_set, tmp_path):
+    """In a container every run may get the same PID: a killed run's ``.OUT.old-PID`` is still a
+    leftover for the next run with that PID, restored rather than taken for its own work."""
+    out = tmp_path / "split"
+    split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, out)
+    first = snapshot(out)
+    out.rename(tmp_path / f".split.old-{os.getpid()}")  # what the killed run with our PID left
+    atomic.check_output(out, kind=split.SPLIT_OUTPUT)
+    assert snapshot(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["split"]
+
+
+def test_a_foreign_folder_in_the_set_aside_name_is_never_deleted(shard_set, tmp_path):
+    out = tmp_path / "split"
+    split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, out)
+    foreign = tmp_path / f".split.old-{os.getpid()}"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FacepipeError, match="in the way"):
+        split.run(SplitParams(val_identities=2, num_pairs=8, seed=1), shard_set, out)
+    assert (foreign / "notes.txt").read_text() == "mine"

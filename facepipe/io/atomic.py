@@ -153,11 +153,15 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _dead_leftovers(out: Path, marker: str) -> list[Path]:
-    """Siblings ``.OUT<marker>PID`` whose process is gone (the ones of live runs are theirs)."""
+    """Siblings ``.OUT<marker>PID`` whose process is gone (the ones of live runs are theirs).
+
+    This process's own PID counts as gone: it has not started on ``out`` yet when this runs, so such a
+    sibling is a killed run's whose PID came back (in a container every run may get the same PID).
+    """
     found = []
     for path in sorted(out.parent.glob(f".{out.name}{marker}*")):
         pid = path.name[len(out.name) + 1 + len(marker) :]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
             found.append(path)
     return found
 
@@ -179,8 +183,18 @@ def recover_interrupted(out: Path, kind: OutputKind | None) -> None:
         elif not any(old.iterdir()) or (kind is not None and kind.foreign(old) is None):
             log.info("removing %s left by an interrupted run", old)
             shutil.rmtree(old, ignore_errors=True)
+        elif old == _set_aside_name(out):
+            raise _in_the_way(old, out)
         else:
             log.warning("leaving %s: not recognisably a facepipe %s", old, kind.name if kind else "output")
+
+
+def _set_aside_name(out: Path) -> Path:
+    return out.parent / f".{out.name}{OLD}{os.getpid()}"
+
+
+def _in_the_way(old: Path, out: Path) -> FacepipeError:
+    return FacepipeError(f"{old} is in the way of replacing {out} and is not recognisably facepipe's: move it")
 
 
 def _between_renames() -> None:
@@ -192,8 +206,9 @@ def publish(tmp: Path, out: Path, *, kind: OutputKind | None = None) -> None:
     old = None
     if out.exists():
         check_replaceable(out, kind)
-        old = out.parent / f".{out.name}{OLD}{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
+        old = _set_aside_name(out)
+        if os.path.lexists(old):  # recover_interrupted put back or removed every one of ours: not ours
+            raise _in_the_way(old, out)
         out.rename(old)
     try:
         _between_renames()
