@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from facepipe.config import TrainParams, load_section
 from facepipe.data.augment import Augmenter
@@ -205,38 +206,39 @@ def run(
     if not context.is_main:
         logging.getLogger("facepipe").setLevel(logging.WARNING)
     try:
-        factory = model_factory or build_model
-        return _train(params, Path(prepared), Path(out), context, identities, max_steps, fresh, factory)
+        return _train(
+            params,
+            context,
+            prepared=Path(prepared),
+            out=Path(out),
+            identities=identities,
+            max_steps=max_steps,
+            fresh=fresh,
+            model_factory=model_factory or build_model,
+        )
     finally:
         shutdown(context)
 
 
 def _train(
     params: TrainParams,
+    context: Distributed,
+    *,
     prepared: Path,
     out: Path,
-    context: Distributed,
     identities: IdentitySelection,
     max_steps: int | None,
     fresh: bool,
     model_factory: ModelFactory,
 ) -> TrainReport:
+    """One run, in order: data, plan, model and head, resume, loader, the loop, the model folder."""
     started = time.perf_counter()
     _warn_single_process(params, context)
-    # uint8 batches between processes (4x fewer bytes); the trainer maps them to [-1, 1] on the device
-    shard_set = check_shard_set(prepared)  # counts, sizes, small files' hashes: seconds, before any work
-    dataset = FaceDataset(
-        shard_set, identities=identities, seed=params.seed, normalize=False, skip_corrupt=params.skip_corrupt_records
-    )
-    dataset.augment = Augmenter(params.augment, image_size=dataset.image_size)
+    dataset = _open_dataset(params, prepared, identities=identities)
     plan = make_plan(params, num_samples=len(dataset), world_size=context.world_size)
     _log_plan(dataset, plan)
 
-    _configure_device(context)
-    torch.manual_seed(params.seed)  # identical initial weights on every rank
-    model = model_factory(params, num_classes=dataset.num_classes, image_size=dataset.image_size)
-    model.to(context.device)
-    seed_process(params.seed, context.rank)
+    model = _build_on_device(params, context, dataset=dataset, model_factory=model_factory)
     trainer = _make_trainer(model, params, plan, context)
     fingerprint = data_fingerprint(dataset)
     resumed_from = _resume(trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, fresh=fresh)
@@ -245,29 +247,15 @@ def _train(
 
     spec = ModelSpec(backbone=params.backbone, embedding_size=params.embedding_size, image_size=dataset.image_size)
     options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
-    sampler = ShardOrderSampler(
-        dataset.item_shards,
-        batch_size=params.batch_size,
-        rank=context.rank,
-        world_size=context.world_size,
-        accum_steps=params.accum_steps,
-        buffer_size=params.shuffle_buffer,
-        seed=params.seed,
-    )
-    loader = make_loader(dataset, sampler, num_workers=params.num_workers, pin_memory=context.device.type == "cuda")
-    metrics = TrainMetrics(out, enabled=context.is_main, resume_step=resumed_from)
+    sampler, loader = _make_loader(params, context, dataset=dataset)
     start_step, fit_started = trainer.state.step, time.perf_counter()
+    metrics = TrainMetrics(out, enabled=context.is_main, resume_step=resumed_from)
     try:
         state = trainer.fit(loader, sampler, options=options, metrics=metrics)
     finally:
         metrics.close()
     samples_per_s = (state.step - start_step) * plan.effective_batch / max(time.perf_counter() - fit_started, 1e-9)
-    if dataset.skipped:
-        log.warning("skipped %d corrupt record reads (train.skip_corrupt_records); see the warnings above", dataset.skipped)
-    if context.is_main:
-        draw_curves(out)
-        save_model_dir(out, model.backbone, spec)
-        log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
+    _write_model(out, model, spec=spec, context=context, skipped=dataset.skipped)
     return TrainReport(
         out=str(out),
         steps=state.step,
@@ -285,6 +273,56 @@ def _train(
         elapsed_s=time.perf_counter() - started,
         skipped_records=dataset.skipped,
     )
+
+
+def _open_dataset(params: TrainParams, prepared: Path, *, identities: IdentitySelection) -> FaceDataset:
+    """The training samples, checked cheaply first; items are uint8 ``[3, S, S]`` images, augmented."""
+    shard_set = check_shard_set(prepared)  # counts, sizes, small files' hashes: seconds, before any work
+    # uint8 batches between processes (4x fewer bytes); the trainer maps them to [-1, 1] on the device
+    dataset = FaceDataset(
+        shard_set, identities=identities, seed=params.seed, normalize=False, skip_corrupt=params.skip_corrupt_records
+    )
+    dataset.augment = Augmenter(params.augment, image_size=dataset.image_size)
+    return dataset
+
+
+def _build_on_device(
+    params: TrainParams, context: Distributed, *, dataset: FaceDataset, model_factory: ModelFactory
+) -> FaceModel:
+    """Backbone + head (``build_head`` chooses dense or sharded) on this process's device, seeded."""
+    _configure_device(context)
+    torch.manual_seed(params.seed)  # identical initial weights on every rank
+    model = model_factory(params, num_classes=dataset.num_classes, image_size=dataset.image_size)
+    model.to(context.device)
+    seed_process(params.seed, context.rank)
+    return model
+
+
+def _make_loader(
+    params: TrainParams, context: Distributed, *, dataset: FaceDataset
+) -> tuple[ShardOrderSampler, DataLoader]:
+    """This rank's deterministic sample order (shards shuffled, then a buffer) and the loader over it."""
+    sampler = ShardOrderSampler(
+        dataset.item_shards,
+        batch_size=params.batch_size,
+        rank=context.rank,
+        world_size=context.world_size,
+        accum_steps=params.accum_steps,
+        buffer_size=params.shuffle_buffer,
+        seed=params.seed,
+    )
+    loader = make_loader(dataset, sampler, num_workers=params.num_workers, pin_memory=context.device.type == "cuda")
+    return sampler, loader
+
+
+def _write_model(out: Path, model: FaceModel, *, spec: ModelSpec, context: Distributed, skipped: int) -> None:
+    """The model folder's backbone (never the head), spec and drawn curves; rank 0 only."""
+    if skipped:
+        log.warning("skipped %d corrupt record reads (train.skip_corrupt_records); see the warnings above", skipped)
+    if context.is_main:
+        draw_curves(out)
+        save_model_dir(out, model.backbone, spec)
+        log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
 
 
 def _warn_single_process(params: TrainParams, context: Distributed) -> None:
