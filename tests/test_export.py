@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def exported(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("export") / "out"
-    return out, export.run(ExportParams(), model_dir, out)
+    # From an empty working directory that must stay empty: the stage writes only under its output folder
+    # (a mutant that exported to str(None) once left ./None in the mutation runner's directory).
+    cwd = tmp_path_factory.mktemp("cwd")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        report = export.run(ExportParams(), model_dir, out)
+    assert list(cwd.iterdir()) == []
+    return out, report
 
 
 def test_export_writes_checked_files(exported: tuple[Path, dict], model_dir: Path) -> None:
@@ -59,7 +68,12 @@ def test_export_writes_checked_files(exported: tuple[Path, dict], model_dir: Pat
     limits = {"onnx": (5e-5, 1e-5), "torchscript": (1e-6, 1e-6)}
     for fmt, entry in report["files"].items():
         assert entry["max_abs_diff"] <= limits[fmt][0] and entry["max_embedding_diff"] <= limits[fmt][1], fmt
-        assert len(entry["sha256"]) == 64
+        assert entry["sha256"] == hashlib.sha256((out / exporting.FILE_NAMES[fmt]).read_bytes()).hexdigest()
+    # each file is what its name says: an ONNX graph (not TorchScript under the ONNX name), a TorchScript zip
+    onnx.checker.check_model(onnx.load(str(out / "backbone.onnx")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.load is deprecated
+        assert isinstance(torch.jit.load(str(out / "backbone.torchscript.pt")), torch.jit.ScriptModule)
 
 
 def unit(rows: np.ndarray) -> np.ndarray:
