@@ -20,6 +20,20 @@ from pydantic import (
 from facepipe.errors import FacepipeError
 
 
+# The choice lists of params.yaml, each defined once here (the bottom layer) and imported by the code
+# that acts on them. Backbone and head names must equal their registries' (tests/test_structure.py).
+BackboneName = Literal["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "inception_resnet_v1"]
+HeadName = Literal["arcface", "cosface", "curricularface"]
+HeadParallel = Literal["dense", "sharded"]
+OptimizerName = Literal["sgd", "adamw"]
+LRScaling = Literal["linear", "sqrt", "none"]
+Decay = Literal["cosine", "poly"]
+Precision = Literal["off", "bf16", "fp16"]
+CommHook = Literal["none", "fp16", "bf16", "powersgd"]
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+ExportFormat = Literal["onnx", "torchscript"]
+
+
 class ParamsError(FacepipeError):
     """A params file or section that cannot be used; the message is one line naming the problem."""
 
@@ -112,7 +126,7 @@ class EvaluateParams(Section):
     flip: bool = Field(True, description="add the embedding of the mirrored image before normalizing")
     folds: int = Field(10, ge=2, description="cross-validation folds for the accuracy")
     far_targets: tuple[float, ...] = Field((1e-3, 1e-4), description="false accept rates to report TAR at")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: DeviceChoice = "auto"
 
     @field_validator("far_targets")
     @classmethod
@@ -125,7 +139,7 @@ class EvaluateParams(Section):
 class ExportParams(Section):
     """``export``: ONNX and TorchScript files, each checked against the PyTorch model."""
 
-    formats: tuple[Literal["onnx", "torchscript"], ...] = Field(("onnx", "torchscript"), min_length=1)
+    formats: tuple[ExportFormat, ...] = Field(("onnx", "torchscript"), min_length=1)
     opset: int = Field(17, ge=11, description="ONNX opset version")
     check_batch_size: int = Field(
         3, ge=1, description="random batch compared with PyTorch; differs from the traced batch to test the dynamic axis"
@@ -135,7 +149,6 @@ class ExportParams(Section):
     seed: int = 0
 
 
-BackboneName = Literal["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "inception_resnet_v1"]
 
 
 class AugmentParams(Section):
@@ -187,8 +200,8 @@ class TrainParams(Section):
 
     backbone: BackboneName = "mobilefacenet"
     embedding_size: int = Field(512, ge=2)
-    head: Literal["arcface", "cosface", "curricularface"] = "arcface"
-    head_parallel: Literal["dense", "sharded"] = Field(
+    head: HeadName = "arcface"
+    head_parallel: HeadParallel = Field(
         "dense",
         description="dense: every class centre on every process; sharded: centres split across the processes "
         "(model parallel, for very many identities; the same as dense with one process)",
@@ -206,10 +219,10 @@ class TrainParams(Section):
     epochs: int = Field(20, ge=1)
     batch_size: int = Field(128, ge=1, description="samples per process per micro-step")
     accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
-    optimizer: Literal["sgd", "adamw"] = "sgd"
+    optimizer: OptimizerName = "sgd"
     lr: float = Field(0.1, gt=0, description="learning rate for reference_batch samples per step")
     reference_batch: int = Field(512, ge=1)
-    lr_scaling: Literal["linear", "sqrt", "none"] = "linear"
+    lr_scaling: LRScaling = "linear"
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; AdamW beta1")
     weight_decay: float = Field(5e-4, ge=0, description="not applied to biases and norm / PReLU weights")
     warmup_epochs: float = Field(
@@ -220,14 +233,20 @@ class TrainParams(Section):
             "of the peak rate, so the first step is at 1/warmup_steps (never 0) and the last warmup step at the peak"
         ),
     )
-    decay: Literal["cosine", "poly"] = "cosine"
+    decay: Decay = "cosine"
     poly_power: float = Field(2.0, gt=0, description="exponent of the polynomial decay")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate / peak learning rate")
     grad_clip: float | None = Field(None, gt=0, description="max global gradient norm; null = no clipping")
-    amp: Literal["off", "bf16", "fp16"] = Field("off", description="autocast dtype; fp16 (with loss scaling) on CUDA only")
-    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field("none", description="DDP gradient compression")
+    amp: Precision = Field("off", description="autocast dtype; fp16 (with loss scaling) on CUDA only")
+    comm_hook: CommHook = Field("none", description="DDP gradient compression")
     powersgd_rank: int = Field(1, ge=1, description="matrix approximation rank of PowerSGD")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = CUDA when available")
+    powersgd_start_iter: int | None = Field(
+        None,
+        ge=2,
+        description="optimizer steps of plain all-reduce before PowerSGD compresses; null = 10% of the run's "
+        "steps, and not before warmup ends (PyTorch's advice)",
+    )
+    device: DeviceChoice = Field("auto", description="auto = CUDA when available")
     nproc_per_node: int = Field(1, ge=1, description="processes per node that dvc.yaml passes to torchrun")
     num_workers: int = Field(2, ge=0, description="data loader processes per training process")
     shuffle_buffer: int = Field(4096, ge=1, description="samples shuffled together after shuffling the shard order")

@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-Format = Literal["onnx", "torchscript"]
+from facepipe.config import ExportFormat
+
 FILE_NAMES: dict[str, str] = {"onnx": "backbone.onnx", "torchscript": "backbone.torchscript.pt"}
 INPUT_NAME = "input"
 OUTPUT_NAME = "embedding"
@@ -113,7 +113,7 @@ def compare(exported: np.ndarray, reference: np.ndarray, *, atol: float, rtol: f
 
 def export_and_check(
     model: nn.Module,
-    fmt: Format,
+    fmt: ExportFormat,
     path: str | Path,
     *,
     image_size: int,

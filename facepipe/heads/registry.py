@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from facepipe.models.registry import Registry
+from facepipe.registry import Registry
 
 if TYPE_CHECKING:
     from facepipe.heads.margins import Margin

@@ -7,11 +7,10 @@
 # Importing the architecture modules fills the registry.
 from facepipe.models import inception, iresnet, mobilefacenet  # noqa: F401
 from facepipe.models.backbone import Backbone, WeightsError
-from facepipe.models.registry import Registry, create_backbone, list_backbones, register_backbone
+from facepipe.models.registry import create_backbone, list_backbones, register_backbone
 
 __all__ = [
     "Backbone",
-    "Registry",
     "WeightsError",
     "create_backbone",
     "list_backbones",

@@ -1,52 +1,13 @@
-"""Name -> builder registries (timm style) and the backbone factory.
-
-``Registry`` is generic: the backbone registry lives here and the margin-head registry in
-``facepipe.heads`` is another instance of the same class.
-"""
+"""The backbone registry (a ``facepipe.registry.Registry``) and the backbone factory."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol
 
 from facepipe.models.backbone import Backbone
-
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """A mapping from names to builders, filled by a decorator at definition time."""
-
-    def __init__(self, kind: str) -> None:
-        self._kind = kind
-        self._entries: dict[str, T] = {}
-
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator that files its target under ``name``; a name can be registered once."""
-
-        def add(entry: T) -> T:
-            if name in self._entries:
-                raise ValueError(f"{self._kind} {name!r} is already registered")
-            self._entries[name] = entry
-            return entry
-
-        return add
-
-    def get(self, name: str) -> T:
-        """The entry for ``name``; an unknown name raises ``ValueError`` listing the known ones."""
-        try:
-            return self._entries[name]
-        except KeyError:
-            known = ", ".join(self.names()) or "(none)"
-            raise ValueError(f"unknown {self._kind} {name!r}; known: {known}") from None
-
-    def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._entries)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries
+from facepipe.registry import Registry
 
 
 class BackboneBuilder(Protocol):

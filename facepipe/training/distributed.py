@@ -19,11 +19,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from facepipe.config import CommHook
 from facepipe.errors import FacepipeError
 
 log = logging.getLogger("facepipe.training")
-
-CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-OptimizerName = Literal["sgd", "adamw"]
+from facepipe.config import OptimizerName
 
 
 def parameter_groups(modules: Iterable[nn.Module], *, weight_decay: float) -> list[dict[str, Any]]:

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from facepipe.config import TrainParams
+from facepipe.config import Decay, LRScaling, TrainParams
 from facepipe.errors import FacepipeError
-
-LRScaling = Literal["linear", "sqrt", "none"]
-Decay = Literal["cosine", "poly"]
 
 
 def effective_batch(batch_size: int, *, world_size: int, accum_steps: int) -> int:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
+from facepipe.config import Precision
 from facepipe.data.augment import normalize
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
@@ -48,7 +49,6 @@ from facepipe.training.schedule import Plan
 
 log = logging.getLogger("facepipe.training")
 
-Precision = Literal["off", "bf16", "fp16"]
 _AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
