@@ -51,11 +51,11 @@ from facepipe.io.model_dir import (
     save_model_dir,
 )
 from facepipe.models import create_backbone
-from facepipe.training.checkpoint import latest_good_checkpoint, load_checkpoint, remove_checkpoints
+from facepipe.training.checkpoint import agreed_resume_point, remove_checkpoints
 from facepipe.training.distributed import (
     Distributed,
-    broadcast_object,
     init_distributed,
+    powersgd_start,
     shutdown,
 )
 from facepipe.training.metrics import TrainMetrics, draw_curves
@@ -241,7 +241,9 @@ def _train(
     model = _build_on_device(params, context, dataset=dataset, model_factory=model_factory)
     trainer = _make_trainer(model, params, plan, context)
     fingerprint = data_fingerprint(dataset)
-    resumed_from = _resume(trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, fresh=fresh)
+    resumed_from = _resume(
+        trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, num_samples=len(dataset), fresh=fresh
+    )
     if context.is_main:
         remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
 
@@ -398,24 +400,29 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
         grad_clip=params.grad_clip,
         comm_hook=params.comm_hook,
         powersgd_rank=params.powersgd_rank,
+        powersgd_start_iter=powersgd_start(
+            params.powersgd_start_iter, total_steps=plan.total_steps, warmup_steps=plan.warmup_steps
+        ),
     )
 
 
-def _resume(trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerprint: str, fresh: bool) -> int | None:
-    """Load the newest checkpoint (rank 0 picks it for all); returns its step, or None for a new run."""
+def _resume(
+    trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerprint: str, num_samples: int, fresh: bool
+) -> int | None:
+    """Load the newest checkpoint (rank 0 picks it; all ranks must hold the same one and the same data);
+    returns its step, or None for a new run."""
     context = trainer.context
-    found = None
     if context.is_main:
         for folder in (checkpoints.parent, checkpoints):
             remove_stale_temporaries(folder)  # left by a killed run
         if fresh and checkpoints.exists():
             log.info("--fresh: removing the checkpoints in %s", checkpoints)
             remove_checkpoints(checkpoints)
-        found = None if fresh else latest_good_checkpoint(checkpoints)
-    latest = broadcast_object(None if found is None else found[0], context)
-    if latest is None:
+    data = {"data fingerprint": fingerprint[:16], "samples": num_samples}
+    found = agreed_resume_point(checkpoints, context, fresh=fresh, data=data)
+    if found is None:
         return None
-    state = found[1] if found is not None else load_checkpoint(latest)
+    latest, state = found
     check_resumable(
         state, params=params, fingerprint=fingerprint, source=Path(latest), effective_batch=trainer.plan.effective_batch
     )

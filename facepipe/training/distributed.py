@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -75,35 +76,68 @@ def shutdown(context: Distributed) -> None:
         dist.destroy_process_group()
 
 
-def wrap_model(
-    model: nn.Module, context: Distributed, *, comm_hook: CommHook = "none", powersgd_rank: int = 1
-) -> nn.Module:
-    """``model`` in DDP with the requested gradient-compression hook; unchanged in a single process."""
+@dataclass(frozen=True)
+class HookOptions:
+    """How gradients travel between ranks: the compression hook and PowerSGD's settings."""
+
+    comm_hook: CommHook = "none"
+    powersgd_rank: int = 1
+    #: optimizer steps of plain all-reduce before PowerSGD compresses (PyTorch requires >= 2)
+    powersgd_start_iter: int = 2
+
+
+def powersgd_start(configured: int | None, *, total_steps: int, warmup_steps: int) -> int:
+    """Optimizer steps of plain all-reduce before PowerSGD starts: ``configured``, or by default 10 % of
+    ``total_steps`` and no earlier than the end of warmup (PyTorch's advice: compressing the large
+    early gradients loses accuracy); at least 2, which PyTorch's error feedback needs."""
+    if configured is not None:
+        return max(configured, 2)
+    return max(2, warmup_steps, math.ceil(0.1 * total_steps))
+
+
+def wrap_model(model: nn.Module, context: Distributed, *, hooks: HookOptions = HookOptions()) -> tuple[nn.Module, Any]:
+    """``model`` in DDP with the requested gradient-compression hook, and the hook's state (PowerSGD's,
+    else None); ``model`` unchanged in a single process."""
     if not context.enabled:
-        return model
+        return model, None
     device_ids = [context.device.index] if context.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    register_comm_hook(ddp, comm_hook, powersgd_rank=powersgd_rank)
-    return ddp
+    return ddp, register_comm_hook(ddp, hooks)
 
 
-def register_comm_hook(model: DistributedDataParallel, hook: CommHook, *, powersgd_rank: int = 1) -> None:
-    """PyTorch's built-in DDP communication hooks: compress gradients before the all-reduce."""
+def register_comm_hook(model: DistributedDataParallel, hooks: HookOptions) -> Any:
+    """PyTorch's built-in DDP communication hooks: compress gradients before the all-reduce. Returns
+    the hook's state (a ``PowerSGDState``) or None."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    if hook == "none":
-        return
-    if hook == "fp16":
+    if hooks.comm_hook == "none":
+        return None
+    if hooks.comm_hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif hook == "bf16":
+    elif hooks.comm_hook == "bf16":
         model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif hook == "powersgd":
+    elif hooks.comm_hook == "powersgd":
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=2
+            process_group=None,
+            matrix_approximation_rank=hooks.powersgd_rank,
+            start_powerSGD_iter=hooks.powersgd_start_iter,
         )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
     else:
-        raise ValueError(f"unknown comm hook {hook!r}")
+        raise ValueError(f"unknown comm hook {hooks.comm_hook!r}")
+    return None
+
+
+def reset_powersgd(state: Any) -> None:
+    """Forget PowerSGD's error feedback and warm-start factors (they re-initialise on the next step).
+
+    After a step that fp16 loss scaling skipped for inf/NaN gradients, both memories hold inf/NaN,
+    which the hook adds to every later gradient: without this, every later step overflows too.
+    """
+    state.error_dict.clear()
+    state.p_memory_dict.clear()
+    state.q_memory_dict.clear()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -39,9 +39,11 @@ from facepipe.training.checkpoint import (
 from facepipe.training.distributed import (
     CommHook,
     Distributed,
+    HookOptions,
     all_gather_objects,
     all_reduce_sum,
     gradient_sync,
+    reset_powersgd,
     wrap_model,
 )
 from facepipe.training.metrics import TrainMetrics
@@ -128,6 +130,7 @@ class Trainer:
         grad_clip: float | None = None,
         comm_hook: CommHook = "none",
         powersgd_rank: int = 1,
+        powersgd_start_iter: int = 2,
     ) -> None:
         check_precision(amp, context.device)
         self.context = context
@@ -141,7 +144,8 @@ class Trainer:
         # A sharded head holds different classes on each rank: only the backbone is data-parallel,
         # and the centres' gradients are never all-reduced.
         wrapped = model.backbone if self.sharded else model
-        self.model = wrap_model(wrapped, context, comm_hook=comm_hook, powersgd_rank=powersgd_rank)
+        hooks = HookOptions(comm_hook, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
+        self.model, self.hook_state = wrap_model(wrapped, context, hooks=hooks)
         self.comm_hook = comm_hook if context.enabled else "none"
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -183,8 +187,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         if self.grad_clip is not None:
             self._clip_gradients(self.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        self._scaled_step()
         for margin in self.margins:
             margin.end_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -192,6 +195,18 @@ class Trainer:
         self.state.step += 1
         self.state.epoch_samples += self.plan.effective_batch
         return self.last_lr
+
+    def _scaled_step(self) -> None:
+        """Step the optimizer through the GradScaler (which skips a step with inf/NaN gradients)."""
+        watch = self.hook_state is not None and self.scaler.is_enabled()
+        scale = self.scaler.get_scale() if watch else 0.0  # a sync, only for PowerSGD with fp16
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        # The scale drops only on a skipped step. The gradients were all-reduced, so every rank sees
+        # the same overflow and resets alike.
+        if watch and self.scaler.get_scale() < scale:
+            reset_powersgd(self.hook_state)
+            log.warning("step %d skipped (fp16 overflow): PowerSGD's error feedback reset", self.state.step)
 
     def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
         if self.sharded:
