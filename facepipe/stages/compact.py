@@ -1,0 +1,131 @@
+"""``facepipe compact OUT``: rewrite a set of several generations into the canonical layout.
+
+The result is what a from-scratch ``prepare`` of the same RAW with the same params writes: the same
+manifest.json, labels.json, rejects.jsonl and shard files, byte for byte. Live records are copied
+(not decoded again) in scan order (sources.jsonl) through the same :class:`SetBuilder` a prepare
+uses; excluded records are dropped. Labels are renumbered into the canonical order (first accepted
+file of each identity in scan order), so a model trained on the old numbering needs the mapping that
+the report's ``relabel`` gives ({old label: new label}; identities with no live sample drop out).
+
+Written into a temporary sibling and published by :func:`facepipe.io.atomic.atomic_output_dir`:
+a compaction killed at any point leaves the old set as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from facepipe.config import PrepareParams
+from facepipe.data.extract import Outcome
+from facepipe.errors import FacepipeError
+from facepipe.io.atomic import atomic_output_dir
+from facepipe.io.manifest import SOURCES_FILE, dumps, metadata_problems
+from facepipe.io.shards import SET_VERSION, ShardSet, ShardSetError
+from facepipe.progress import Progress
+from facepipe.quality import REPORT_FILE, write_report
+from facepipe.stages.prepare import SHARD_SET, Generation, SetBuilder
+
+
+def run(out: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Compact the set at ``out`` in place (atomically); returns the report (also report.json)."""
+    out = Path(out)
+    started = time.perf_counter()
+    shard_set = _open(out)
+    recorded = shard_set.manifest["params"]
+    params = PrepareParams.model_validate({**recorded, "detector_weights": None})  # recorded below as it was
+    sources = _jsonl(out / SOURCES_FILE)
+    rejects = iter(_jsonl(out / "rejects.jsonl"))
+    generations = len(shard_set.manifest["generations"])
+    with atomic_output_dir(out, kind=SHARD_SET) as tmp:
+        builder = SetBuilder(tmp, params, base=Generation(params=recorded))
+        builder.stats = {e["path"]: (e["size"], e["mtime_ns"]) for e in sources if e["size"] is not None}
+        try:
+            with Progress(len(sources), desc="compact", enabled=progress) as bar:
+                for entry in sources:
+                    builder.add(_outcome(shard_set, entry, rejects))
+                    bar.update(1)
+            manifest = builder.finish(len(sources))
+        except BaseException:
+            builder.abort()
+            raise
+        write_report(tmp, tmp / REPORT_FILE)  # no RAW here: rejects are listed by path, without thumbnails
+        new_label = {name: label for label, name in enumerate(builder.identities)}
+        report = {
+            "counts": manifest["counts"],
+            "rejected_by_reason": manifest["rejected_by_reason"],
+            "num_identities": manifest["num_identities"],
+            "num_shards": len(manifest["shards"]),
+            "generation": 0,
+            "compacted_generations": generations,
+            "dropped_records": int(shard_set.offsets[-1]) - len(shard_set),
+            "relabel": {str(old): new_label.get(name) for old, name in enumerate(shard_set.identities)},
+            "payload_bytes": builder.payload_bytes,
+            "shard_bytes": sum((tmp / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
+            "timings_s": {"total": round(time.perf_counter() - started, 3)},
+        }
+        (tmp / "report.json").write_text(dumps(report))
+    return report
+
+
+def _open(out: Path) -> ShardSet:
+    try:
+        shard_set = ShardSet(out)
+    except ShardSetError as error:
+        raise FacepipeError(f"compact: {error}") from None
+    if shard_set.manifest.get("version") != SET_VERSION or not (out / SOURCES_FILE).is_file():
+        raise FacepipeError(f"compact: {out} was written by an older facepipe (no {SOURCES_FILE}): run a full prepare")
+    if "source" in shard_set.manifest:
+        raise FacepipeError(f"compact: {out} was imported from a pack: it has one generation already")
+    problems = metadata_problems(shard_set)
+    if problems:
+        raise FacepipeError(f"compact: {out} is inconsistent ({problems[0]}): see facepipe verify {out}")
+    return shard_set
+
+
+def _outcome(shard_set: ShardSet, entry: dict[str, Any], rejects: Any) -> Outcome:
+    """The outcome a from-scratch prepare had for ``entry``: its stored record, or its reject line."""
+    path, sha256 = entry["path"], entry["sha256"]
+    if entry["sample"] is None:
+        reject = next(rejects, None)
+        if reject is None or reject["path"] != path:
+            raise FacepipeError(f"compact: rejects.jsonl and {SOURCES_FILE} disagree at {path!r}: see facepipe verify")
+        return Outcome(path, sha256, reason=reject["reason"], detail=reject["detail"])
+    stored = int(entry["sample"])
+    shard = int(shard_set.offsets.searchsorted(stored, side="right") - 1)
+    record = shard_set.readers[shard].record(stored - int(shard_set.offsets[shard]))
+    if record.path != path:
+        raise FacepipeError(f"compact: {SOURCES_FILE} places {path!r} where {record.path!r} is stored: see facepipe verify")
+    header = {key: value for key, value in record.header.items() if key != "label"}
+    return Outcome(path, sha256, header=header, payload=record.payload)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    except (OSError, ValueError) as error:
+        raise FacepipeError(f"compact: cannot read {path}: {error}") from None
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    counts = report["counts"]
+    return (
+        f"compact: {report['compacted_generations']} generation(s) -> 1; {counts['accepted']} samples of"
+        f" {report['num_identities']} identities in {report['num_shards']} shard(s), {counts['rejected']} rejects;"
+        f" {report['dropped_records']} excluded record(s) dropped; labels renumbered (report.json: relabel)"
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("compact", help="rewrite a grown shard set (prepare --update) into the canonical layout")
+    parser.add_argument("out", type=Path, metavar="PREPARED", help="shard set to rewrite in place (atomically)")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    print(summary_line(run(args.out)))
+    return 0

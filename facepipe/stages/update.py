@@ -1,0 +1,201 @@
+"""``prepare --update``: grow a shard set by one generation, reading only new and changed files.
+
+How a file counts as unchanged: its scan path is in the set's ``sources.jsonl`` with the same size
+and modification time (nanoseconds) — the hint — or, when either differs, its bytes hash to the
+recorded sha256 — the truth (a touched but unchanged file is reused; its new time is recorded).
+Unchanged files are reused without decoding: an accepted one keeps its record where it is stored,
+a rejected one its reject line. New and changed files are decoded and detected; their records go
+into new shards after the existing ones (a new generation). Records of files that disappeared,
+changed, or are now the later copy of a file with the same bytes are listed in the generation's
+``excluded`` map; readers skip them and existing shard files are never written.
+
+Files the scan rejects (links, loops) are decided again each run (nothing is read). A file with no
+recorded sha256 (an earlier I/O error, a file over the size limit) is read again. A duplicate is
+reused only while an unchanged file before it (sorted order) holds the same bytes.
+
+Outcomes are the same as a from-scratch prepare of RAW would give, file by file (same accept or
+reject, reason and detail); only the layout (shards, exclusions) and the labels' order differ, and
+:mod:`facepipe.stages.compact` rewrites that into the canonical layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from facepipe.config import PrepareParams
+from facepipe.data.extract import Outcome
+from facepipe.data.scan import ScanItem, read_raw_file, unescape_path
+from facepipe.errors import FacepipeError
+from facepipe.io.manifest import SOURCES_FILE, metadata_problems
+from facepipe.io.shards import SET_VERSION, ShardInfo, ShardSet, ShardSetError, shard_name
+
+#: Where a generation's new shards are written inside the temporary output before they are renamed.
+NEW_SHARDS = ".new-shards"
+
+
+def has_set(out: Path) -> bool:
+    """True when ``out`` holds something to update (a manifest); an absent or empty OUT is prepared in full."""
+    return (out / "manifest.json").is_file() or (out.is_dir() and any(out.iterdir()))
+
+
+def file_stats(raw: Path, items: Iterable[ScanItem]) -> dict[str, tuple[int, int]]:
+    """{scan path: (size, mtime_ns)} of every file the workers will read, taken before they read it
+    (a file that changes after its stat is seen as changed by the next update, never missed)."""
+    root = os.fsencode(raw)
+    stats = {}
+    for item in items:
+        if item.reason is None:
+            try:
+                info = os.stat(os.path.join(root, unescape_path(item.path)))
+            except OSError:
+                continue  # the worker reports it (io_error)
+            stats[item.path] = (info.st_size, info.st_mtime_ns)
+    return stats
+
+
+@dataclass
+class UpdatePlan:
+    """What an update reuses and what it sends to the workers (``todo``, in scan order)."""
+
+    base: ShardSet
+    sources: dict[str, dict[str, Any]]
+    rejects: dict[str, dict[str, Any]]
+    todo: list[ScanItem]
+    removed: int
+    stats: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def walk(self, builder: Any, items: list[ScanItem], processed: Iterator[Outcome]) -> Iterator[int]:
+        """Feed every scanned item to ``builder`` in scan order: reused entries by ``keep``, the others
+        from ``processed`` (the workers' outcomes of ``todo``, in order). Yields 1 per processed file."""
+        todo = {item.path for item in self.todo}
+        for item in items:
+            if item.path in todo:
+                outcome = next(processed)
+                assert outcome.path == item.path, (outcome.path, item.path)
+                builder.add(outcome)
+                yield 1
+            else:
+                entry = self.sources[item.path]
+                builder.keep(entry, self.rejects.get(item.path))
+        if next(processed, None) is not None:
+            raise RuntimeError("the workers returned more outcomes than files to process")
+
+    def excluded(self, kept: list[int]) -> dict[str, list[int]]:
+        """{shard file: [local index]} of the base's live records that ``kept`` (stored indexes) lacks."""
+        live = {int(e["sample"]) for e in self.sources.values() if e["sample"] is not None}
+        dropped = sorted(live - set(kept))
+        files = [entry["file"] for entry in self.base.manifest["shards"]]
+        out: dict[str, list[int]] = {}
+        for stored in dropped:
+            shard = int(self.base.offsets.searchsorted(stored, side="right") - 1)
+            out.setdefault(files[shard], []).append(int(stored - self.base.offsets[shard]))
+        return out
+
+
+def plan_update(out: Path, params: PrepareParams, items: list[ScanItem], *, raw: Path, manifest_params: dict[str, Any]) -> UpdatePlan:
+    """Check that ``out`` is a set this update may grow, and decide which files to reuse. Raises
+    FacepipeError (a folder that is not a facepipe set, an older set, changed params, an inconsistent set)."""
+    base = _open_base(out, manifest_params)
+    sources = _read_jsonl(out / SOURCES_FILE)
+    rejects = {r["path"]: r for r in _read_jsonl(out / "rejects.jsonl")}
+    stats = file_stats(raw, items)
+    todo: list[ScanItem] = []
+    shas: set[str] = set()  # bytes held by reused files so far (scan order): what a reused duplicate needs
+    for item in items:
+        entry = sources.get(item.path)
+        if entry is None or not _reusable(item, entry, rejects, stats, raw=raw, shas=shas):
+            todo.append(item)
+        elif entry["reason"] != "duplicate" and entry["sha256"] is not None:
+            shas.add(entry["sha256"])
+    current = {item.path for item in items}
+    removed = sum(1 for path in sources if path not in current)
+    return UpdatePlan(base, sources, rejects, todo, removed, stats)
+
+
+def _reusable(
+    item: ScanItem, entry: dict[str, Any], rejects: dict[str, dict[str, Any]], stats: dict[str, tuple[int, int]],
+    *, raw: Path, shas: set[str],
+) -> bool:
+    if item.reason is not None:  # the scan's own reject: the same one again
+        reject = rejects.get(item.path)
+        return entry["reason"] == item.reason and reject is not None and reject.get("detail") == item.detail
+    if entry["sha256"] is None or item.path not in stats:
+        return False
+    if entry["reason"] == "duplicate" and entry["sha256"] not in shas:
+        return False  # its first copy is gone or changed: from scratch it would be read
+    if (entry["size"], entry["mtime_ns"]) == stats[item.path]:
+        return True
+    try:
+        data = read_raw_file(raw, item.path)
+    except OSError:
+        return False
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return False
+    entry["size"], entry["mtime_ns"] = stats[item.path]  # touched, same bytes: record the new time
+    return True
+
+
+def _open_base(out: Path, manifest_params: dict[str, Any]) -> ShardSet:
+    try:
+        base = ShardSet(out)
+    except ShardSetError as error:
+        raise FacepipeError(f"--update: {out} is not a facepipe shard set to grow ({error})") from None
+    if base.manifest.get("version") != SET_VERSION or not (out / SOURCES_FILE).is_file():
+        raise FacepipeError(
+            f"--update: {out} was written by an older facepipe (set v{base.manifest.get('version')}, no {SOURCES_FILE}):"
+            " run a full prepare (without --update) once"
+        )
+    if "source" in base.manifest:
+        raise FacepipeError(f"--update: {out} was imported from a pack, not prepared from a raw folder")
+    changed = sorted(k for k in {*manifest_params, *base.manifest["params"]} if manifest_params.get(k) != base.manifest["params"].get(k))
+    if changed:
+        what = ", ".join(f"{k}: {base.manifest['params'].get(k)!r} -> {manifest_params.get(k)!r}" for k in changed)
+        raise FacepipeError(
+            f"--update: the prepare params differ from those {out} was prepared with ({what}); a set must not mix"
+            " two alignments or encodings: run a full prepare (without --update)"
+        )
+    problems = metadata_problems(base)
+    if problems:
+        raise FacepipeError(f"--update: {out} is inconsistent ({problems[0]}): see facepipe verify {out}")
+    return base
+
+
+def _read_jsonl(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [json.loads(line) for line in handle if line.strip()]
+    except (OSError, ValueError) as error:
+        raise FacepipeError(f"--update: cannot read {path}: {error}") from None
+    if path.name == SOURCES_FILE:
+        return {entry["path"]: entry for entry in lines}
+    return lines
+
+
+def link_shards(base: ShardSet, tmp: Path) -> None:
+    """The base's shard files into ``tmp/shards`` as hard links (same bytes, no copy); a copy where
+    the file system refuses links. The base set itself is never written."""
+    (tmp / "shards").mkdir(parents=True, exist_ok=True)
+    for entry in base.manifest["shards"]:
+        source, target = base.root / "shards" / entry["file"], tmp / "shards" / entry["file"]
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copy2(source, target)
+
+
+def place_new_shards(shards: list[ShardInfo], *, root: Path, first: int) -> list[ShardInfo]:
+    """Rename a generation's shards from ``root/NEW_SHARDS`` to ``root/shards``, numbered from ``first``."""
+    placed = []
+    for offset, info in enumerate(shards):
+        name = shard_name(first + offset)
+        (root / NEW_SHARDS / info.file).rename(root / "shards" / name)
+        placed.append(ShardInfo(name, info.num_samples, info.sha256, info.payload_bytes, info.bytes))
+    shutil.rmtree(root / NEW_SHARDS, ignore_errors=True)
+    return placed

@@ -1,0 +1,251 @@
+"""prepare --update (generations, exclusions, stable labels), compact, and what readers see of a grown set."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from facepipe.config import PrepareParams
+from facepipe.data.dataset import FaceDataset
+from facepipe.errors import FacepipeError
+from facepipe.io import ShardSet
+from facepipe.stages import compact, prepare
+from facepipe.stages.inspect import verify
+from rawdata import jpeg_bytes
+
+PARAMS = PrepareParams(detector="none", samples_per_shard=3, chunk_size=4, max_pixels=1_000_000)
+CANONICAL = ("manifest.json", "labels.json", "rejects.jsonl", "sources.jsonl")
+
+
+def face(seed: int) -> bytes:
+    """A 112x112 JPEG crop (detector none takes it as aligned), distinct per seed."""
+    rng = np.random.default_rng(seed)
+    base = np.linspace(0, 255, 112 * 112 * 3).reshape(112, 112, 3)
+    return jpeg_bytes((base * 0.5 + rng.integers(0, 128, (112, 112, 3))).astype(np.uint8), quality=90)
+
+
+def write(raw: Path, files: dict[str, bytes]) -> None:
+    for path, data in files.items():
+        (raw / path).parent.mkdir(parents=True, exist_ok=True)
+        (raw / path).write_bytes(data)
+
+
+def in_process(raw: Path, params: PrepareParams) -> Callable[[list[list[str]]], Future]:
+    """A ``submit`` that runs the chunk worker here (no cluster: a fast, real prepare)."""
+    def submit(group: list[list[str]]) -> Future:
+        future: Future = Future()
+        future.set_result(prepare.process_chunks(group, str(raw), params, "cpu"))
+        return future
+
+    return submit
+
+
+def run(raw: Path, out: Path, *, update: bool = False, params: PrepareParams = PARAMS) -> dict:
+    return prepare.run(params, raw, out, update=update, submit=in_process(raw, params), workers=1, progress=False)
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def check_accounting(out: Path) -> dict:
+    """scanned == accepted + rejected, in total and per generation; every reader sees the live samples only."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    counts = manifest["counts"]
+    assert counts["scanned"] == counts["accepted"] + counts["rejected"]
+    for generation in manifest["generations"]:
+        c = generation["counts"]
+        assert c["scanned"] == c["accepted"] + c["rejected"], generation
+    sources = [json.loads(line) for line in (out / "sources.jsonl").read_text().splitlines()]
+    rejects = (out / "rejects.jsonl").read_text().splitlines()
+    assert len(sources) == counts["scanned"] and len(rejects) == counts["rejected"]
+    shard_set = ShardSet(out)
+    assert len(shard_set) == counts["accepted"] == manifest["num_samples"] == len(shard_set.labels())
+    live = sorted(shard_set.record(i).path for i in range(len(shard_set)))
+    assert live == sorted(s["path"] for s in sources if s["sample"] is not None)
+    dataset = FaceDataset(shard_set, normalize=False)
+    assert len(dataset) == len(live) and len(dataset[len(dataset) - 1][0].shape) == 3
+    assert verify(out) == []
+    return manifest
+
+
+V1 = {**{f"id{i}/{j}.jpg": face(10 * i + j) for i in range(3) for j in range(3)}, "id0/empty.jpg": b""}
+
+
+@pytest.fixture()
+def grown(tmp_path: Path) -> tuple[Path, Path, dict]:
+    """v1, then added files, then added + deleted + modified files: RAW, OUT and the reports."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    reports = {"v1": run(raw, out)}
+    check_accounting(out)
+    v1_files = files_of(out / "shards")
+    v1_labels = json.loads((out / "labels.json").read_text())
+    write(raw, {"id1/7.jpg": face(107), "id9/0.jpg": face(900), "id9/1.jpg": face(901), "id9/copy.jpg": face(10)})
+    reports["add"] = run(raw, out, update=True)
+    manifest = check_accounting(out)
+    # existing shards byte-identical; new ones after them; labels stable, new identity appended
+    assert {k: v for k, v in files_of(out / "shards").items() if k in v1_files} == v1_files
+    assert json.loads((out / "labels.json").read_text()) == [*v1_labels, "id9"]
+    assert manifest["generations"][1]["labels"] == [3, 4] and manifest["generations"][1]["excluded"] == {}
+    assert reports["add"]["files"] == {"reused": 10, "processed": 4, "removed": 0}
+    assert reports["add"]["counts"] == {"scanned": 14, "accepted": 12, "rejected": 2}  # empty file, duplicate
+    # add + delete + modify (+ touch one file without changing it)
+    (raw / "id0" / "1.jpg").unlink()
+    (raw / "id2" / "2.jpg").write_bytes(face(222))
+    os.utime(raw / "id2" / "0.jpg", ns=(1, 1))
+    (raw / "id1" / "0.jpg").unlink()  # the first copy of id9/copy.jpg: the copy now counts
+    for name in ("0.jpg", "1.jpg", "2.jpg"):
+        (raw / "id0" / name).unlink(missing_ok=True)  # every sample of id0 gone: it keeps its label
+    write(raw, {"id3/0.jpg": face(300)})
+    reports["mixed"] = run(raw, out, update=True)
+    return raw, out, reports
+
+
+def test_update_generations_stable_labels_and_compact_equals_a_fresh_prepare(grown, tmp_path):
+    raw, out, reports = grown
+    manifest = check_accounting(out)
+    assert len(manifest["generations"]) == 3
+    assert json.loads((out / "labels.json").read_text()) == ["id0", "id1", "id2", "id9", "id3"]
+    # processed: the changed file, the new one, and the copy whose first copy went; the touched file is reused
+    assert reports["mixed"]["files"] == {"reused": 8, "processed": 3, "removed": 4}
+    excluded = manifest["generations"][2]["excluded"]
+    assert sum(len(v) for v in excluded.values()) == 5  # id0/0-2, id1/0, the old id2/2
+    assert np.bincount(ShardSet(out).labels(), minlength=5)[0] == 0  # id0: an empty class, label kept
+    fresh = tmp_path / "fresh"
+    run(raw, fresh)
+    assert not all((out / n).read_bytes() == (fresh / n).read_bytes() for n in CANONICAL)
+    report = compact.run(out, progress=False)
+    assert report["dropped_records"] == 5 and report["relabel"]["0"] is None
+    for name in CANONICAL:
+        assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
+    assert files_of(out / "shards") == files_of(fresh / "shards")
+    check_accounting(out)
+
+
+def test_an_unchanged_raw_updates_without_reading_a_file(tmp_path, monkeypatch):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    before = files_of(out)
+    report = run(raw, out, update=True)  # the in-process submit would read; nothing may be submitted
+    assert report["files"] == {"reused": 10, "processed": 0, "removed": 0} and report["generation"] == 1
+    after = files_of(out)
+    assert all(after[name] == data for name, data in before.items() if name.startswith("shards/"))
+    assert after["labels.json"] == before["labels.json"] and after["rejects.jsonl"] == before["rejects.jsonl"]
+
+
+def test_update_on_a_missing_or_empty_out_is_a_full_prepare(tmp_path):
+    raw = tmp_path / "raw"
+    write(raw, V1)
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        assert run(raw, out, update=True)["files"]["processed"] == 10
+
+
+def test_update_refuses_a_foreign_folder_and_changed_params(tmp_path):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FacepipeError, match="refusing to replace"):
+        run(raw, foreign, update=True)
+    assert (foreign / "notes.txt").read_text() == "mine"
+    run(raw, out)
+    before = files_of(out)
+    for change in ({"image_size": 96}, {"encoding": "png"}, {"detector": "mtcnn"}):
+        with pytest.raises(FacepipeError, match="run a full prepare") as error:
+            run(raw, out, update=True, params=PARAMS.model_copy(update=change))
+        assert "\n" not in str(error.value) and next(iter(change)) in str(error.value)
+    assert files_of(out) == before
+
+
+def test_a_set_of_the_previous_version_is_read_but_not_updated(tmp_path):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["version"] = 2
+    del manifest["generations"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "sources.jsonl").unlink()
+    assert len(ShardSet(out)) == 9
+    with pytest.raises(FacepipeError, match="older facepipe.*full prepare"):
+        run(raw, out, update=True)
+
+
+KILLED_UPDATE = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from facepipe.stages import prepare
+from test_update import PARAMS, in_process
+raw, out = Path({raw!r}), Path({out!r})
+inner = in_process(raw, PARAMS)
+def submit(paths):
+    future = inner(paths)
+    os.kill(os.getpid(), signal.SIGKILL)  # after the first chunk of the new generation was processed
+    return future
+prepare.run(PARAMS, raw, out, update=True, submit=submit, workers=1, progress=False)
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_update_killed_leaves_the_previous_generation_and_a_rerun_completes_it(tmp_path):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    write(raw, {f"id{i}/new{j}.jpg": face(500 + 10 * i + j) for i in range(4) for j in range(3)})
+    before = files_of(out)
+    script = KILLED_UPDATE.format(tests=str(Path(__file__).parent), raw=str(raw), out=str(out))
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert files_of(out) == before  # the previous generation, intact
+    assert any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir())  # the killed run's leftover
+    report = run(raw, out, update=True)
+    assert report["files"] == {"reused": 10, "processed": 12, "removed": 0}
+    check_accounting(out)
+    assert not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+
+
+def _dvc(repo: Path, *args: str) -> None:
+    subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, check=True, capture_output=True)
+
+
+def _cache_bytes(repo: Path) -> int:
+    return sum(p.stat().st_size for p in (repo / ".dvc" / "cache").rglob("*") if p.is_file())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_dvc_cache_grows_by_the_new_shards_only(tmp_path):
+    repo = tmp_path / "repo"
+    raw, out = tmp_path / "raw", repo / "prepared"
+    repo.mkdir()
+    _dvc(repo, "init", "--no-scm", "-q")
+    write(raw, {f"id{i}/{j}.jpg": face(10 * i + j) for i in range(6) for j in range(5)})  # 10 shards of 3
+    run(raw, out)
+    _dvc(repo, "add", "-q", "prepared")
+    before = _cache_bytes(repo)
+    shards_before = files_of(out / "shards")
+    write(raw, {"id0/new.jpg": face(1000), "id7/0.jpg": face(1001)})
+    run(raw, out, update=True)
+    new_shards = {k: v for k, v in files_of(out / "shards").items() if k not in shards_before}
+    small = sum((out / n).stat().st_size for n in (*CANONICAL, "report.json", "report.html"))
+    _dvc(repo, "add", "-q", "prepared")
+    grown = _cache_bytes(repo) - before
+    new_bytes = sum(map(len, new_shards.values()))
+    assert len(new_shards) == 1 and sum(map(len, shards_before.values())) > 5 * new_bytes
+    # the cache grew by the new shard, the small files and DVC's directory listing (.dir), nothing more
+    assert new_bytes <= grown <= new_bytes + small + 8192, (grown, new_bytes, small)
