@@ -116,3 +116,123 @@ def test_powersgd_starts_after_a_tenth_of_the_run_and_after_warmup() -> None:
     assert TrainParams().powersgd_start_iter is None
     with pytest.raises(ParamsError, match="train.powersgd_start_iter: Input should be greater than or equal to 2"):
         parse_section(TrainParams, "train", {"powersgd_start_iter": 1})
+
+
+# --- DDP without a buffer broadcast per forward; running statistics averaged at checkpoints --------
+
+
+def buffers_worker(rank: int, port: int, out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from facepipe.heads import create_head
+    from facepipe.training.distributed import Distributed
+    from facepipe.training.optimizer import build_optimizer
+    from facepipe.training.schedule import Plan, build_scheduler
+    from facepipe.training.trainer import FaceModel, Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        torch.manual_seed(0)
+        backbone = nn.Sequential(nn.Flatten(), nn.Linear(48, 8), nn.BatchNorm1d(8))
+        model = FaceModel(backbone, create_head("cosface", embedding_size=8, num_classes=CLASSES, scale=16.0, seed=0))
+        plan = Plan(
+            world_size=WORLD, batch_size=BATCH, accum_steps=1, effective_batch=BATCH * WORLD, lr=0.05,
+            epochs=1, steps_per_epoch=3, total_steps=3, warmup_steps=0,
+        )
+        optimizer = build_optimizer([model], name="sgd", lr=plan.lr, momentum=0.9, weight_decay=0.0)
+        scheduler = build_scheduler(optimizer, total_steps=3, warmup_steps=0, decay="cosine")
+        context = Distributed(rank=rank, local_rank=rank, world_size=WORLD, device=torch.device("cpu"))
+        trainer = Trainer(model, optimizer, scheduler, context=context, plan=plan)
+        for step in range(3):
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            images = torch.randn(BATCH, 3, 4, 4, generator=generator) + 3 * rank  # ranks see other statistics
+            trainer.train_step([(images, torch.randint(0, CLASSES, (BATCH,), generator=generator))])
+        bn = backbone[2]
+        local = bn.running_mean.clone()
+        gathered = [torch.zeros_like(local) for _ in range(WORLD)]
+        dist.all_gather(gathered, local)
+        state = trainer.checkpoint_state({})
+        torch.save(
+            {"local": gathered, "saved": state["backbone"]["2.running_mean"], "live": bn.running_mean.clone()},
+            f"{out}/rank-{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_running_statistics_are_averaged_over_ranks_at_checkpoints(tmp_path: Path) -> None:
+    """DDP broadcasts no buffers per forward (each rank's BatchNorm statistics follow its own batches);
+    a checkpoint holds, and every rank continues with, their mean over ranks."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.spawn(buffers_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=True) for rank in range(WORLD)]
+    first, second = results[0]["local"]
+    assert not torch.allclose(first, second)  # not broadcast from rank 0 before each forward
+    mean = (first.double() + second.double()).div(2).float()
+    for result in results:
+        torch.testing.assert_close(result["saved"], mean, rtol=0, atol=1e-7)
+        assert torch.equal(result["live"], result["saved"])
+    assert torch.equal(results[0]["saved"], results[1]["saved"])
+
+
+def test_cuda_setup_keeps_matmuls_full_float32() -> None:
+    """TF32 for cuDNN convolutions only: the heads' cosine matmul stays float32 on a GPU."""
+    import torch
+
+    from facepipe.stages.train import _configure_device
+    from facepipe.training.distributed import Distributed
+
+    flags = (torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = True  # as something imported before might have left it
+    try:
+        _configure_device(Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cuda", 0)))
+        assert torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
+
+
+def test_backbone_pt_is_written_from_cpu_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backbone is moved to the CPU after training and before backbone.pt is written (on a GPU its
+    tensors would otherwise be saved as CUDA tensors, which a CPU-only machine cannot load plainly)."""
+    import torch
+    from train_helpers import LinearBackbone, synthetic_set, tiny_params
+
+    import facepipe.stages.train as train_stage
+    from facepipe.training.trainer import FaceModel
+
+    moves: list[str] = []
+
+    class Recording(LinearBackbone):
+        def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+            moves.append(fn(torch.zeros(1)).device.type)  # where .to() / .cpu() / .cuda() sends it
+            return super()._apply(fn, recurse)
+
+    def factory(params, *, num_classes, image_size):  # type: ignore[no-untyped-def]
+        return FaceModel(Recording(params.embedding_size, image_size), train_stage.build_head(params, num_classes=num_classes))
+
+    saved: list[tuple[list[str], dict]] = []
+    original = train_stage.save_model_dir
+
+    def spy(out, module, spec):  # type: ignore[no-untyped-def]
+        saved.append((list(moves), {k: v.device.type for k, v in module.state_dict().items()}))
+        return original(out, module, spec)
+
+    monkeypatch.setattr(train_stage, "save_model_dir", spy)
+    shard_set = synthetic_set(tmp_path / "set")
+    train_stage.run(tiny_params(epochs=1), shard_set, tmp_path / "model", max_steps=1, model_factory=factory)
+    (moves_before_save, devices), = saved
+    assert moves_before_save[-1] == "cpu" and len(moves_before_save) >= 2  # moved after the move to the device
+    assert set(devices.values()) == {"cpu"}
+    weights = torch.load(tmp_path / "model" / "backbone.pt", weights_only=True, map_location="meta")
+    assert weights.keys() == devices.keys()

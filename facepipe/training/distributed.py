@@ -101,7 +101,12 @@ def wrap_model(model: nn.Module, context: Distributed, *, hooks: HookOptions = H
     if not context.enabled:
         return model, None
     device_ids = [context.device.index] if context.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    # No buffer broadcast before every forward (a collective per micro-step, across nodes too): in
+    # training mode BatchNorm normalises with batch statistics, so the running statistics never
+    # change the weights; they are averaged over ranks before each checkpoint (average_buffers).
+    ddp = DistributedDataParallel(
+        model, device_ids=device_ids, gradient_as_bucket_view=True, forward_sync_buffers=False
+    )
     return ddp, register_comm_hook(ddp, hooks)
 
 
@@ -138,6 +143,24 @@ def reset_powersgd(state: Any) -> None:
     state.error_dict.clear()
     state.p_memory_dict.clear()
     state.q_memory_dict.clear()
+
+
+def average_buffers(module: nn.Module, context: Distributed) -> None:
+    """Replace every floating-point buffer of ``module`` (BatchNorm running mean and variance) by its
+    mean over ranks, in place; collective. Integer buffers (batch counters) agree on every rank.
+
+    The running statistics are exponential averages, linear in the batch statistics, so averaging
+    them at any point equals averaging every step's batch statistics over ranks: the same result
+    whenever and however often this runs (up to rounding).
+    """
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    if not context.enabled or not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1).double() for b in buffers])  # one collective, little rounding
+    dist.all_reduce(flat)
+    flat /= context.world_size
+    for buffer, mean in zip(buffers, flat.split([b.numel() for b in buffers])):
+        buffer.copy_(mean.view_as(buffer))
 
 
 def unwrap(model: nn.Module) -> nn.Module:

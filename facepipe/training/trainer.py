@@ -42,6 +42,7 @@ from facepipe.training.distributed import (
     HookOptions,
     all_gather_objects,
     all_reduce_sum,
+    average_buffers,
     gradient_sync,
     reset_powersgd,
     wrap_model,
@@ -248,6 +249,7 @@ class Trainer:
     def checkpoint_state(self, extra: dict[str, Any]) -> dict[str, Any]:
         """Everything needed to continue exactly; collective (every rank contributes its RNG state)."""
         rng = all_gather_objects(capture_rng_state(self.context.device), self.context)
+        average_buffers(self.model, self.context)  # DDP does not broadcast them (wrap_model)
         return {
             "format": CHECKPOINT_FORMAT,
             "version": CHECKPOINT_VERSION,
