@@ -295,6 +295,24 @@ def test_resume_with_another_world_size(finished_run, shard_set, tmp_path):
     assert report.resumed_from_step == 3 and report.steps == 5
 
 
+def test_resume_at_another_effective_batch_recomputes_the_step_from_the_samples(shard_set, tmp_path, caplog):
+    """A checkpoint of 2 processes x batch 8 (16 a step) at step 2 has consumed 32 samples: one process
+    x batch 8 continues at step 32 // 8 = 4, not 2, and finishes the 2 epochs at step 12 (6 a epoch).
+    Kept at step 2 it would end epoch 0 at step 4 and stop at 10. (The real 2 -> 1, 1 -> 2, 2 -> 3 runs
+    of tests/test_train_resize.py keep the effective batch, where both positions are the same.)"""
+    params = tiny_params(epochs=2, checkpoint_every=3, reference_batch=8)
+    out = tmp_path / "model"
+    run(params, shard_set, out, max_steps=3, model_factory=linear_model)
+    path = latest_checkpoint(out / "checkpoints")
+    state = torch.load(path, weights_only=True)
+    state.update(world_size=2, step=2, epoch_samples=32, rng=state["rng"] * 2)  # forged: 2 x 8 at step 2
+    atomic_save({**state, "checksum": state_checksum(state)}, path)
+    with caplog.at_level("WARNING", logger="facepipe"):
+        report = run(params, shard_set, out, model_factory=linear_model)
+    assert report.resumed_from_step == 2 and (report.steps, report.epochs_done) == (12, 2)
+    assert "from 2 processes with 1: effective batch 8, lr 0.05, continuing at step 4" in caplog.text
+
+
 # -- the command line ---------------------------------------------------------------------------------
 
 
