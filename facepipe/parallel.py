@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
+from facepipe.devices import worker_gpus
 from facepipe.errors import FacepipeError
 
 T = TypeVar("T")
@@ -38,12 +39,34 @@ def worker_config() -> Iterator[None]:
         yield
 
 
-def default_workers() -> int:
-    """One worker process per core this process may use."""
+#: Local workers per GPU when prepare detects on GPUs: two keep a GPU busy while the other decodes and
+#: encodes on the CPU; more would only add CUDA contexts (~300 MB of GPU memory each).
+WORKERS_PER_GPU = 2
+
+
+def available_cores() -> int:
+    """Cores this process may use."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def default_workers(*, gpus: int = 0) -> int:
+    """One worker process per core; with ``gpus`` > 0 (detection on GPUs), ``WORKERS_PER_GPU`` per
+    GPU, never more than the cores."""
+    cores = available_cores()
+    return min(cores, WORKERS_PER_GPU * gpus) if gpus > 0 else cores
+
+
+def detection_gpus(device: str, *, device_count: int | None = None) -> int:
+    """GPUs the local workers spread over: all those visible for ``auto`` / ``cuda``, none for ``cpu``
+    or one named GPU (``cuda:N``, which every worker then uses as told)."""
+    from facepipe.devices import cuda_device_count
+
+    if device not in ("auto", "cuda"):
+        return 0
+    return cuda_device_count() if device_count is None else device_count
 
 
 def ordered_results(submit: Callable[[T], FutureLike], items: Iterable[T], *, window: int) -> Iterator[Any]:
@@ -64,10 +87,22 @@ def ordered_results(submit: Callable[[T], FutureLike], items: Iterable[T], *, wi
 
 
 @contextmanager
-def dask_client(*, workers: int | None = None, scheduler_address: str | None = None) -> Iterator[Any]:
+def dask_client(
+    *,
+    workers: int | None = None,
+    scheduler_address: str | None = None,
+    device: str = "cpu",
+    device_count: int | None = None,
+) -> Iterator[Any]:
     """A ``distributed.Client``: on an existing cluster, or a ``LocalCluster`` of single-threaded processes
     shut down on exit. Every server of the local cluster (scheduler, workers, and the Dask dashboard on
-    ``DASHBOARD_ADDRESS``, or a free port when that one is taken) listens on 127.0.0.1 only."""
+    ``DASHBOARD_ADDRESS``, or a free port when that one is taken) listens on 127.0.0.1 only.
+
+    With ``device`` auto or cuda and GPUs present (``device_count`` overrides how many, for tests),
+    local worker i sees only GPU i mod N (:func:`facepipe.devices.worker_gpus`) and there are
+    ``WORKERS_PER_GPU`` workers per GPU by default. An existing cluster's workers keep their own
+    placement (dask-cuda's ``dask cuda worker`` gives each one GPU the same way).
+    """
     from distributed import Client, LocalCluster
 
     if scheduler_address:
@@ -80,7 +115,8 @@ def dask_client(*, workers: int | None = None, scheduler_address: str | None = N
         finally:
             client.close()
         return
-    n_workers = workers or default_workers()
+    gpus = detection_gpus(device, device_count=device_count)
+    n_workers = workers or default_workers(gpus=gpus)
     with worker_config():
         cluster = LocalCluster(
             n_workers=n_workers,
@@ -89,7 +125,10 @@ def dask_client(*, workers: int | None = None, scheduler_address: str | None = N
             host="127.0.0.1",
             dashboard_address=DASHBOARD_ADDRESS,
             silence_logs=logging.ERROR,
+            **({"worker_class": _gpu_nanny(worker_gpus(n_workers, device_count=gpus))} if gpus else {}),
         )
+        if gpus:
+            log.info("%d Dask workers on %d GPU(s), %d per GPU at most", n_workers, gpus, -(-n_workers // gpus))
     client = Client(cluster)
     log.info("Dask dashboard (this machine only): %s", client.dashboard_link)
     try:
@@ -97,3 +136,16 @@ def dask_client(*, workers: int | None = None, scheduler_address: str | None = N
     finally:
         client.close()
         cluster.close()
+
+
+def _gpu_nanny(visible: list[str]) -> type:
+    """A Nanny class whose worker named i starts with ``CUDA_VISIBLE_DEVICES=visible[i]`` (LocalCluster
+    names its workers 0, 1, ...)."""
+    from distributed import Nanny
+
+    class GPUNanny(Nanny):
+        def __init__(self, *args: Any, name: Any = None, env: dict[str, str] | None = None, **kwargs: Any) -> None:
+            env = {**(env or {}), "CUDA_VISIBLE_DEVICES": visible[int(name) % len(visible)]}
+            super().__init__(*args, name=name, env=env, **kwargs)
+
+    return GPUNanny

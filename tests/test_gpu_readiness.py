@@ -236,3 +236,65 @@ def test_backbone_pt_is_written_from_cpu_tensors(tmp_path: Path, monkeypatch: py
     assert set(devices.values()) == {"cpu"}
     weights = torch.load(tmp_path / "model" / "backbone.pt", weights_only=True, map_location="meta")
     assert weights.keys() == devices.keys()
+
+
+# --- one device rule; prepare's workers spread over the GPUs --------------------------------------
+
+
+def test_one_device_rule_for_every_stage() -> None:
+    import torch
+
+    from facepipe.devices import resolve_device
+    from facepipe.errors import FacepipeError
+
+    assert resolve_device("auto", device_count=0) == torch.device("cpu")
+    assert resolve_device("auto", index=1, device_count=2) == torch.device("cuda", 1)  # a rank's own GPU
+    assert resolve_device("cuda", device_count=2) == torch.device("cuda", 0)
+    assert resolve_device("cuda:1", index=0, device_count=2) == torch.device("cuda", 1)
+    assert resolve_device("cpu", index=3, device_count=2) == torch.device("cpu")
+    with pytest.raises(FacepipeError, match=r"^train.device is 'cuda' but no CUDA device is available$"):
+        resolve_device("cuda", device_count=0, what="train.device")
+    with pytest.raises(FacepipeError, match=r"cuda:2 does not exist \(2 GPU\(s\) visible\)"):
+        resolve_device("auto", index=2, device_count=2)
+    with pytest.raises(FacepipeError, match="'gpu' is not a device"):
+        resolve_device("gpu")
+    # the detectors, evaluate and the trainer all use it (no second copy of the rule)
+    import facepipe.detection.mtcnn as mtcnn
+    import facepipe.detection.retinaface as retinaface
+    import facepipe.stages.evaluate as evaluate
+    import facepipe.training.distributed as distributed
+
+    assert mtcnn.resolve_device is retinaface.resolve_device is evaluate.resolve_device is resolve_device
+    assert distributed.resolve_device is resolve_device and not hasattr(distributed, "pick_device")
+
+
+def test_prepare_workers_spread_over_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    import facepipe.parallel as parallel
+    from facepipe.devices import worker_gpus
+
+    monkeypatch.setattr(parallel, "available_cores", lambda: 96)
+    assert parallel.default_workers() == 96  # CPU detection: one per core
+    assert parallel.default_workers(gpus=8) == 16  # not 96 CUDA contexts on GPU 0
+    monkeypatch.setattr(parallel, "available_cores", lambda: 4)
+    assert parallel.default_workers(gpus=8) == 4
+    assert worker_gpus(5, device_count=2, visible="") == ["0", "1", "0", "1", "0"]
+    assert worker_gpus(3, device_count=2, visible="4,7") == ["4", "7", "4"]  # this process's own GPU list
+    assert worker_gpus(3, device_count=0) == []
+    assert parallel.detection_gpus("auto", device_count=4) == parallel.detection_gpus("cuda", device_count=4) == 4
+    assert parallel.detection_gpus("cpu", device_count=4) == parallel.detection_gpus("cuda:1", device_count=4) == 0
+
+
+@pytest.mark.multiprocess
+def test_local_dask_workers_each_see_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real LocalCluster with 2 GPUs injected: worker i starts with CUDA_VISIBLE_DEVICES = i mod 2."""
+    import os
+
+    from facepipe.parallel import dask_client
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with dask_client(workers=3, device="auto", device_count=2) as client:
+        seen = client.run(lambda dask_worker: (dask_worker.name, os.environ.get("CUDA_VISIBLE_DEVICES")))
+    assert sorted(seen.values()) == [(0, "0"), (1, "1"), (2, "0")]
+    with dask_client(workers=1, device="cpu", device_count=2) as client:
+        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+    assert list(seen.values()) == [None]

@@ -13,15 +13,15 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from facepipe.config import CommHook
-from facepipe.errors import FacepipeError
+from facepipe.config import CommHook, DeviceChoice
+from facepipe.devices import resolve_device
 
 log = logging.getLogger("facepipe.training")
 
@@ -46,22 +46,12 @@ class Distributed:
         return self.world_size > 1
 
 
-def pick_device(preference: Literal["auto", "cpu", "cuda"], local_rank: int) -> torch.device:
-    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise FacepipeError("train.device is 'cuda' but no CUDA device is available")
-    if local_rank >= torch.cuda.device_count():
-        raise FacepipeError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible")
-    return torch.device("cuda", local_rank)
-
-
-def init_distributed(preference: Literal["auto", "cpu", "cuda"] = "auto") -> Distributed:
+def init_distributed(preference: DeviceChoice = "auto") -> Distributed:
     """Join the process group that torchrun set up (if any) with the backend the device needs."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(preference, local_rank)
+    device = resolve_device(preference, index=local_rank, what="train.device")  # each rank its own GPU
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():

@@ -1,0 +1,69 @@
+"""Which torch device a process computes on: one rule for training ranks, evaluation, the detectors
+and prepare's Dask workers.
+
+``auto`` is the GPU when CUDA is available, else the CPU; ``cuda`` insists on a GPU; ``cuda:N`` names
+one. A process given an ``index`` (a training rank's local rank) takes the GPU of that index. Prepare's
+local Dask workers are each shown one GPU (``CUDA_VISIBLE_DEVICES``, as dask-cuda does), so inside a
+worker ``auto`` is that GPU: see :func:`worker_gpus`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from facepipe.errors import FacepipeError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def cuda_device_count() -> int:
+    """GPUs this process can see (0 without CUDA); does not initialise CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(
+    preference: str = "auto", *, index: int = 0, device_count: int | None = None, what: str = "device"
+) -> torch.device:
+    """The device for ``preference`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``): ``cuda:index`` for
+    ``auto`` (with CUDA) and ``cuda``. ``device_count`` overrides the GPUs found (tests); ``what``
+    names the setting in the one-line error for a GPU that is not there."""
+    import torch
+
+    wanted = None if preference == "auto" else _parse(preference, what=what)
+    count = cuda_device_count() if device_count is None else device_count
+    if (wanted is not None and wanted.type == "cpu") or (wanted is None and count == 0):
+        return torch.device("cpu")
+    if count == 0:
+        raise FacepipeError(f"{what} is {preference!r} but no CUDA device is available")
+    chosen = index if wanted is None or wanted.index is None else wanted.index
+    if chosen >= count:
+        raise FacepipeError(f"{what}: cuda:{chosen} does not exist ({count} GPU(s) visible)")
+    return torch.device("cuda", chosen)
+
+
+def _parse(preference: str, *, what: str) -> torch.device:
+    import torch
+
+    try:
+        device = torch.device(preference)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise FacepipeError(f"{what}: {preference!r} is not a device (auto, cpu, cuda or cuda:N)")
+    return device
+
+
+def worker_gpus(n_workers: int, *, device_count: int, visible: str | None = None) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each of ``n_workers`` worker processes: worker i gets GPU
+    i mod N of the N this process sees (``visible``: its own ``CUDA_VISIBLE_DEVICES``, default the
+    environment's), so the workers spread evenly over the GPUs instead of all sharing the first."""
+    if device_count < 1:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    ids = [part.strip() for part in visible.split(",") if part.strip()] if visible else []
+    ids = ids[:device_count] if len(ids) >= device_count else [str(i) for i in range(device_count)]
+    return [ids[i % device_count] for i in range(n_workers)]
