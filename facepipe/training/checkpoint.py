@@ -8,6 +8,10 @@ Each checkpoint carries ``checksum``: a sha256 over every value in it (tensor by
 plain values), verified when it is loaded, so a flipped byte is never trained on. When the newest
 checkpoint is corrupt, :func:`latest_good_checkpoint` renames it ``step-N.pt.corrupt`` (kept for a
 look, out of the resume order) with a warning and falls back to the previous one.
+
+Every process of a run must continue from the same checkpoint: :func:`agreed_resume_point` has rank 0
+pick it, every rank open it on its own view of the folder, and all of them compare what they hold
+before training (a node without the shared folder fails at once, with the others, in one line).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import atomic_write
+from facepipe.training.distributed import Distributed, all_gather_objects, broadcast_object
 
 log = logging.getLogger("facepipe.training")
 
@@ -133,6 +138,76 @@ def latest_good_checkpoint(directory: str | os.PathLike[str]) -> tuple[Path, dic
     if found:
         raise FacepipeError(f"no usable checkpoint in {directory} (all corrupt); run with --fresh")
     return None
+
+
+#: How the README calls the fix for ranks that do not see the same files.
+_SHARED_HINT = (
+    "every node must see the same output folder (a shared filesystem, or copies made before the run) "
+    "and the same shard set: README.md, 'Several machines'"
+)
+
+
+def agreed_resume_point(
+    directory: str | os.PathLike[str], context: Distributed, *, fresh: bool, data: dict[str, Any]
+) -> tuple[Path, dict[str, Any]] | None:
+    """Collective: the checkpoint every rank continues from (None: all start afresh), or the same
+    one-line FacepipeError on every rank.
+
+    Rank 0 picks the newest good checkpoint in ``directory`` (``fresh``: none) and broadcasts its
+    path; the other ranks open that path themselves (the same file on a shared filesystem). Then all
+    ranks all-gather what they hold: the checkpoint's name, step and sha256 (or why it did not open),
+    the newest checkpoint they see, and ``data`` (e.g. the data fingerprint and dataset length). Any
+    difference fails every rank together: otherwise a node without the file fails alone while the
+    others wait in a collective until the timeout, and one with an older file of the same name trains
+    other weights without a word.
+    """
+    found, error = None, None
+    if context.is_main and not fresh:
+        try:
+            found = latest_good_checkpoint(directory)
+        except FacepipeError as failure:
+            error = str(failure)
+    path, error = broadcast_object((None if found is None else str(found[0]), error), context)
+    if error is not None:
+        raise FacepipeError(error)  # rank 0's (no usable checkpoint), raised by every rank at once
+    state, held = (found[1], None) if found is not None else (None, None)
+    if path is not None and state is None:
+        try:
+            state = load_checkpoint(path)
+        except FacepipeError as failure:
+            held = f"cannot use it: {failure}"
+    newest = None if fresh else latest_checkpoint(directory)
+    facts = {
+        "resumes from": held or _describe(path, state),
+        "newest checkpoint seen": "none" if newest is None else newest.name,
+        **{key: str(value) for key, value in data.items()},
+    }
+    problem = disagreement(all_gather_objects(facts, context))
+    if problem:
+        raise FacepipeError(f"the {context.world_size} {problem}; {_SHARED_HINT}")
+    return None if path is None else (Path(path), state)
+
+
+def _describe(path: str | None, state: dict[str, Any] | None) -> str:
+    if path is None or state is None:
+        return "no checkpoint (a new run)"
+    checksum = state.get("checksum") or state_checksum(state)  # version 1 files carry none
+    return f"{Path(path).name} (step {state['step']}, sha256 {checksum[:16]})"
+
+
+def disagreement(facts: list[dict[str, str]]) -> str | None:
+    """None when every rank's facts are equal; else "processes disagree on how to resume: ..." naming,
+    for each group of ranks that agree among themselves, the values that differ."""
+    differing = [key for key in facts[0] if any(other.get(key) != facts[0][key] for other in facts)]
+    if not differing:
+        return None
+    groups: dict[str, list[int]] = {}
+    for rank, held in enumerate(facts):
+        groups.setdefault(", ".join(f"{key} {held.get(key)}" for key in differing), []).append(rank)
+    described = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}: {text}" for text, ranks in groups.items()
+    )
+    return f"processes disagree on how to resume ({', '.join(differing)}): {described}"
 
 
 def remove_checkpoints(directory: str | os.PathLike[str]) -> None:
