@@ -95,7 +95,7 @@ class StandInDetector:
     def __init__(self) -> None:
         self.calls: list[list[tuple[int, ...]]] = []
 
-    def detect(self, images: list[np.ndarray]) -> list[list]:
+    def detect(self, images: list[np.ndarray], *, reductions=None) -> list[list]:
         from facepipe.alignment import template
         from facepipe.detection import Face
 

@@ -204,13 +204,18 @@ def test_cpu_runs_onnxruntime_and_agrees_with_the_pytorch_reference(detector, sa
 
 
 def test_input_scale_follows_detect_size_and_min_face_size():
-    """The network sees a min_face_size face at MIN_FACE_INPUT px, and never more than detect_size px."""
+    """The network sees a min_face_size face at MIN_FACE_INPUT px, and never more than detect_size px;
+    a reduced decode (1/r scale) is seen as its full-resolution original would be."""
     net = RetinaFaceDetector.__new__(RetinaFaceDetector)  # the policy alone, no weights
     net.detect_size, net.min_face_size = 640, None
     assert net.input_side((500, 300, 3)) == 500 and net.input_side((2000, 3000, 3)) == 640
     net.min_face_size = 40
-    assert net.input_side((500, 300, 3)) == 300 == 500 * MIN_FACE_INPUT // 40
+    assert net.input_side((500, 300, 3)) == 400 == 500 * MIN_FACE_INPUT // 40
     assert net.input_side((2000, 3000, 3)) == 640
+    # 1400 px decoded at 1/2: 700 px, of which the original's 1400 * 32 / 40 = 1120 -> capped at 640
+    assert net.input_side((700, 500, 3), reduction=2) == 640 != net.input_side((700, 500, 3))
+    net.min_face_size = 160  # 1000 px at 1/2: a 160-px face is 80 px there, seen at 32 px: 500 * 32 / 80
+    assert net.input_side((500, 400, 3), reduction=2) == 200 == net.input_side((1000, 800, 3))
     net.min_face_size = 20  # already small: the image's own size
     assert net.input_side((500, 300, 3)) == 500
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,9 +34,11 @@ class Face:
 
 class Detector(Protocol):
     """What every detector offers: a batch of [H, W, 3] uint8 RGB images in, for each image its faces
-    (original-image coordinates, highest score first) out. Safe to call from several threads."""
+    (in that image's coordinates, highest score first) out. Safe to call from several threads.
+    ``reductions[i]`` (default all 1) says image i is a 1/r scale decode of the original photo: the
+    detector searches faces down to ``min_face_size`` original pixels, r times fewer of its own."""
 
-    def detect(self, images: list[np.ndarray]) -> list[list[Face]]: ...
+    def detect(self, images: list[np.ndarray], *, reductions: Sequence[int] | None = None) -> list[list[Face]]: ...
 
 
 def select_face(faces: list[Face], policy: str, image_shape: tuple[int, ...]) -> Face:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 import cv2
 import numpy as np
@@ -29,6 +30,7 @@ from facenet_pytorch.models.utils.detect_face import batched_nms_numpy, bbreg, r
 from torchvision.ops import batched_nms
 
 from facepipe.detection.base import Face
+from facepipe.devices import resolve_device
 
 _BUCKET = 32
 _PNET_MIN = 12.0  # the smallest face P-Net sees, pixels
@@ -38,12 +40,6 @@ _COARSE_MIN = 48  # R-Net crops come from the first pyramid level when the box i
 
 #: A photo's first pyramid level, and its x and y scale relative to the photo.
 Level = tuple[np.ndarray, float, float]
-
-
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def _to_input(batch: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -78,15 +74,17 @@ class MTCNNDetector:
         nets = [net(pretrained=True).to(self.device).eval() for net in (PNet, RNet, ONet)]
         self.pnet, self.rnet, self.onet = (net.to(memory_format=torch.channels_last) for net in nets)
 
-    def detect(self, images: list[np.ndarray]) -> list[list[Face]]:
-        """Faces of each [H, W, 3] uint8 RGB image, in original coordinates, highest score first."""
+    def detect(self, images: list[np.ndarray], *, reductions: Sequence[int] | None = None) -> list[list[Face]]:
+        """Faces of each [H, W, 3] uint8 RGB image, in its coordinates, highest score first.
+        ``reductions[i]``: original pixels per pixel of image i (a reduced decode), for min_face_size."""
         if not images:
             return []
         prepared = [self._resize(image) for image in images]
         smalls = [small for small, _ in prepared]
         scales = [scale for _, scale in prepared]
+        from_original = [scale / r for scale, r in zip(scales, reductions or [1] * len(images))]
         with torch.inference_mode():
-            boxes, owners, first_levels = self._propose(smalls, scales)
+            boxes, owners, first_levels = self._propose(smalls, from_original)
             boxes, owners = self._refine(smalls, boxes, owners, first_levels)
             boxes, points, owners = self._output(smalls, boxes, owners)
         results: list[list[Face]] = [[] for _ in images]
@@ -113,7 +111,7 @@ class MTCNNDetector:
         self, images: list[np.ndarray], scales: list[float]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[int, Level]]:
         """Candidate boxes [K, 5] (squared, in detect-size pixels), their image index [K], and each
-        image's first pyramid level."""
+        image's first pyramid level. ``scales``: detect-size pixels per original pixel, per image."""
         first_levels: dict[int, Level] = {}
         buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
         for index, image in enumerate(images):

@@ -9,6 +9,8 @@ left, so alignment pads its sides as insightface does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from facepipe.alignment import ARCFACE_TEMPLATE_112
@@ -26,7 +28,8 @@ def aligned_landmarks(width: int, height: int) -> np.ndarray:
 class PrealignedDetector:
     """The "detector" of pre-aligned crops: one whole-image face per image, score 1."""
 
-    def detect(self, images: list[np.ndarray]) -> list[list[Face]]:
+    def detect(self, images: list[np.ndarray], *, reductions: Sequence[int] | None = None) -> list[list[Face]]:
+        """One face covering each image; ``reductions`` (unused) as :class:`Detector` takes them."""
         faces = []
         for image in images:
             height, width = image.shape[:2]
