@@ -12,6 +12,7 @@ from typing import Any
 import lmdb
 
 from facepipe.io.manifest import HASHED_FILES, dumps
+from facepipe.io.records import encode_run, run_records
 from facepipe.io.shards import ShardReader, sha256_file
 from facepipe.io.synthetic import write_synthetic_shard_set
 
@@ -52,7 +53,8 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def edit_shard(path: Path, change: Callable[[lmdb.Transaction], None]) -> None:
-    """Apply ``change`` to the shard's LMDB in one write transaction (keys: KEY.pack(i), b"__labels__", b"__meta__")."""
+    """Apply ``change`` to the shard's LMDB in one write transaction (keys: KEY.pack(run), b"__labels__",
+    b"__meta__"; records: :func:`replace_record`, :func:`delete_record`)."""
     ShardReader(path).close()
     env = lmdb.open(str(path), subdir=False, lock=False, map_size=1 << 26)
     try:
@@ -60,6 +62,37 @@ def edit_shard(path: Path, change: Callable[[lmdb.Transaction], None]) -> None:
             change(txn)
     finally:
         env.close()
+
+
+def _run_of(path: Path, key: int) -> tuple[int, int | None]:
+    """(LMDB key index, position) of record ``key`` in shard ``path``: its run and place in it
+    (a version-2 shard: the key itself, position None)."""
+    reader = ShardReader(path)
+    per_run = reader.records_per_run
+    reader.close()
+    return (key // per_run, key % per_run) if per_run else (key, None)
+
+
+def replace_record(path: Path, key: int, data: bytes) -> None:
+    """Store ``data`` as record ``key`` of shard ``path``, its run re-packed with a sound table: only
+    the record's own checks can see the change."""
+    run, position = _run_of(path, key)
+
+    def change(txn: lmdb.Transaction) -> None:
+        if position is None:
+            txn.put(KEY.pack(run), data)
+            return
+        records = [bytes(raw) for raw in run_records(txn.get(KEY.pack(run)))]
+        records[position] = data
+        txn.put(KEY.pack(run), encode_run(records))
+
+    edit_shard(path, change)
+
+
+def delete_record(path: Path, key: int) -> None:
+    """Delete the stored value holding record ``key`` of shard ``path`` (its whole run goes missing)."""
+    run, _ = _run_of(path, key)
+    edit_shard(path, lambda txn: txn.delete(KEY.pack(run)))
 
 
 def edit_json(root: Path, name: str, change: Callable[[Any], Any]) -> None:

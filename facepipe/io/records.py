@@ -12,6 +12,16 @@ of a JPEG decode). Version 1 records (no checksum) are refused: their sets must 
 The header holds at least ``label``, ``path`` (relative to the raw root, POSIX), ``landmarks``
 ([5, 2] in the original image), ``box`` ([x1, y1, x2, y2]), ``score``, ``sha256`` of the source file
 and ``encoding`` of the payload.
+
+A *run* packs consecutive records into one stored value (shard format 3), so that a ~10 KB record
+no longer rounds up to whole 4 KiB LMDB overflow pages on its own::
+
+    b"FPN" | u8 run version | u32 count | u32 CRC-32 | u32 end[count] | record 0 | record 1 | ...
+
+``end[i]`` is where record ``i`` ends, counted from the first record's first byte (record ``i``
+starts at ``end[i - 1]``, record 0 at 0). The CRC-32 covers the 8 bytes before it and the ends, so a
+damaged table is named as such; each record keeps its own CRC-32 for its bytes. Reading one record
+touches the table and that record's bytes only.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import io
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -31,6 +42,12 @@ MAGIC = b"FPR"
 VERSION = 2
 _PREFIX = struct.Struct("<3sBII")
 _CRC_AT = 8  # offset of the CRC field: the magic, version and header length come before it
+
+
+RUN_MAGIC = b"FPN"
+RUN_VERSION = 1
+_RUN_PREFIX = struct.Struct("<3sBII")
+_RUN_CRC_AT = 8
 
 
 class RecordError(ValueError):
@@ -108,6 +125,61 @@ def decode_record(data: bytes | memoryview, *, verify: bool = True) -> Record:
     """Header and payload of a record (checksum checked unless ``verify`` is False)."""
     header, start = decode_header(data, verify=verify)
     return Record(header=header, payload=bytes(data[start:]))
+
+
+def encode_run(records: Sequence[bytes]) -> bytes:
+    """Pack encoded records (at least one) into one run value; deterministic for equal inputs."""
+    if not records:
+        raise ValueError("a run holds at least one record")
+    ends = np.cumsum([len(record) for record in records], dtype=np.int64)
+    if ends[-1] >= 1 << 32:
+        raise ValueError(f"a run of {len(records)} records is {int(ends[-1])} bytes: at most 4 GiB")
+    table = ends.astype("<u4").tobytes()
+    start = _RUN_PREFIX.pack(RUN_MAGIC, RUN_VERSION, len(records), 0)[:_RUN_CRC_AT]
+    crc = zlib.crc32(table, zlib.crc32(start))
+    return b"".join([start, struct.pack("<I", crc), table, *records])
+
+
+def _run_table(view: memoryview) -> tuple[int, int]:
+    """(offset of the first record, number of records) of a run, after checking its prefix and the
+    CRC-32 of its table, which covers the count too (raises :class:`RecordError`)."""
+    if len(view) < _RUN_PREFIX.size:
+        raise RecordError(f"run too short ({len(view)} bytes)")
+    magic, version, count, crc = _RUN_PREFIX.unpack_from(view)
+    if magic != RUN_MAGIC or version != RUN_VERSION:
+        raise RecordError(f"not a facepipe run of version {RUN_VERSION} (bad magic or version)")
+    first = _RUN_PREFIX.size + 4 * count
+    if first > len(view):
+        raise RecordError("run truncated inside its table")
+    if zlib.crc32(view[_RUN_PREFIX.size : first], zlib.crc32(view[:_RUN_CRC_AT])) != crc:
+        raise RecordError("run table checksum mismatch (corrupt bytes)")
+    return first, count
+
+
+def _run_slice(view: memoryview, first: int, position: int) -> memoryview:
+    start = first + (struct.unpack_from("<I", view, _RUN_PREFIX.size + 4 * (position - 1))[0] if position else 0)
+    end = first + struct.unpack_from("<I", view, _RUN_PREFIX.size + 4 * position)[0]
+    if not start <= end <= len(view):
+        raise RecordError("run table does not match the run's bytes (corrupt run)")
+    return view[start:end]
+
+
+def run_record(data: bytes | memoryview, position: int) -> memoryview:
+    """Record ``position`` of a run, as a view into ``data`` (no copy). The run's table is checked
+    (:class:`RecordError`); the record's own CRC-32 is the caller's to check. IndexError when the run
+    holds no record ``position``."""
+    view = memoryview(data)
+    first, count = _run_table(view)
+    if not 0 <= position < count:
+        raise IndexError(f"run of {count} records has no record {position}")
+    return _run_slice(view, first, position)
+
+
+def run_records(data: bytes | memoryview) -> list[memoryview]:
+    """Every record of a run, as views into ``data`` (see :func:`run_record`)."""
+    view = memoryview(data)
+    first, count = _run_table(view)
+    return [_run_slice(view, first, position) for position in range(count)]
 
 
 def unsafe_path_reason(path: object) -> str | None:
