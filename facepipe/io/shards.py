@@ -103,9 +103,9 @@ class ShardInfo:
 class ShardWriter:
     """Streams records into ``shard-NNNNN.lmdb`` files under ``directory``, rolling by sample count.
 
+    Records are grouped into runs of ``records_per_run`` (the last run of a shard may be shorter).
     Each finished shard is compacted into place and reported to ``on_shard``. Use as a context
     manager or call :meth:`close`; a writer that fails leaves only ``*.partial`` files behind.
-    Records are grouped into runs of ``records_per_run`` (the last run of a shard may be shorter).
     """
 
     def __init__(
@@ -113,21 +113,21 @@ class ShardWriter:
         directory: str | Path,
         *,
         samples_per_shard: int,
+        records_per_run: int = RECORDS_PER_RUN,
         on_shard: Callable[[ShardInfo], None] | None = None,
     ) -> None:
-        records_per_run: int = RECORDS_PER_RUN,
         if samples_per_shard < 1:
             raise ValueError("samples_per_shard must be >= 1")
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         if records_per_run < 1:
             raise ValueError("records_per_run must be >= 1")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.samples_per_shard = samples_per_shard
-        self.on_shard = on_shard
-        self.shards: list[ShardInfo] = []
         self.records_per_run = records_per_run
-        self._env: lmdb.Environment | None = None
+        self.on_shard = on_shard
         self._run: list[bytes] = []
+        self.shards: list[ShardInfo] = []
+        self._env: lmdb.Environment | None = None
         self._txn: lmdb.Transaction | None = None
         self._labels: list[int] = []
         self._payload_bytes = 0
@@ -154,8 +154,6 @@ class ShardWriter:
         if len(self._labels) >= self.samples_per_shard:
             self._finish()
 
-    def close(self) -> list[ShardInfo]:
-        """Finish the open shard (if any); returns every shard written."""
     def _put_run(self) -> None:
         assert self._env is not None and self._txn is not None
         run_index = (len(self._labels) - 1) // self.records_per_run
@@ -165,6 +163,8 @@ class ShardWriter:
             self._txn.commit()
             self._txn = self._env.begin(write=True)
 
+    def close(self) -> list[ShardInfo]:
+        """Finish the open shard (if any); returns every shard written."""
         if self._env is not None:
             self._finish()
         return self.shards
@@ -177,9 +177,9 @@ class ShardWriter:
         if self._partial is not None:
             self._partial.unlink(missing_ok=True)
         self._env = self._txn = self._partial = None
+        self._run = []
 
     def _open(self) -> None:
-        self._run = []
         self._partial = self.directory / (shard_name(len(self.shards)) + ".partial")
         self._partial.unlink(missing_ok=True)
         self._env = lmdb.open(
@@ -187,15 +187,15 @@ class ShardWriter:
         )
         self._txn = self._env.begin(write=True)
         self._labels = []
+        self._run = []
         self._payload_bytes = 0
 
-        self._run = []
     def _finish(self) -> None:
         assert self._env is not None and self._txn is not None and self._partial is not None
-        labels = np.asarray(self._labels, dtype="<i4")
-        self._txn.put(LABELS_KEY, labels.tobytes())
         if self._run:
             self._put_run()
+        labels = np.asarray(self._labels, dtype="<i4")
+        self._txn.put(LABELS_KEY, labels.tobytes())
         meta = {
             "format": SHARD_FORMAT,
             "version": SHARD_VERSION,
@@ -260,9 +260,9 @@ class ShardReader:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._len: int | None = None
+        self._per_run: int | None = None  # records per LMDB value; 0: version 2, one record per sample key
         self._env: lmdb.Environment | None = None
         self._env_epoch = -1
-        self._per_run: int | None = None  # records per LMDB value; 0: version 2, one record per sample key
 
     def __getstate__(self) -> dict[str, Any]:
         # An environment never travels to another process (a loader worker opens its own).
@@ -271,9 +271,9 @@ class ShardReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"])
         self._len = state["_len"]
+        self._per_run = state.get("_per_run")
 
     @property
-        self._per_run = state.get("_per_run")
     def env(self) -> lmdb.Environment:
         # Looked up (one stat) on first use and after a fork or close, not on every read.
         if self._env is None or self._env_epoch != _envs_epoch:
@@ -302,13 +302,11 @@ class ShardReader:
                 f"unsupported shard format {meta.get('format')} v{meta.get('version')}: {self.path}"
                 + _older(meta.get("version"), READABLE_SHARD_VERSIONS[0])
             )
-        return meta
-
         per_run = meta.get("records_per_run", 0) if meta["version"] >= 3 else 0
         if not isinstance(per_run, int) or per_run < (1 if meta["version"] >= 3 else 0):
             raise ShardSetError(f"shard meta has a bad records_per_run {per_run!r}: {self.path}")
-    def __len__(self) -> int:
-        if self._len is None:
+        return meta
+
     @property
     def records_per_run(self) -> int:
         """Records per stored LMDB value (0: a version-2 shard, one record per sample key)."""
@@ -317,6 +315,8 @@ class ShardReader:
             self._per_run = int(meta.get("records_per_run", 0)) if meta["version"] >= 3 else 0
         return self._per_run
 
+    def __len__(self) -> int:
+        if self._len is None:
             self._len = int(self.meta()["num_samples"])
         return self._len
 
@@ -344,8 +344,6 @@ class ShardReader:
             self.checked(raw, index)
         return records
 
-    def checked(self, raw: bytes, index: int) -> bytes:
-        """``raw`` if it is a sound record (prefix and CRC-32), else :class:`CorruptRecordError`."""
     def _copy(self, txn: lmdb.Transaction, index: int, per_run: int) -> bytes:
         """The stored bytes of sample ``index`` (unchecked), copied out of the map."""
         value = txn.get(_KEY.pack(index // per_run if per_run else index)) if index >= 0 else None
@@ -360,6 +358,8 @@ class ShardReader:
         except RecordError as error:
             raise CorruptRecordError(self.path, index, str(error)) from None
 
+    def checked(self, raw: bytes, index: int) -> bytes:
+        """``raw`` if it is a sound record (prefix and CRC-32), else :class:`CorruptRecordError`."""
         try:
             payload_offset(raw)
         except RecordError as error:
