@@ -28,6 +28,9 @@ CENTRE_LENGTHS = [2.0, 0.3, 5.0]
 # (embedding angle, label): θ_y = 0.3, 0.8, 2.3 (θ_y + m < π) and 2.9 (θ_y + m > π for m = 0.5)
 SAMPLES = [(0.3, 0), (2.0, 1), (0.2, 2), (-0.4, 2)]
 EMBEDDING_LENGTHS = [3.0, 0.5, 1.0, 7.0]
+# float64 logits up to |77| against the same formulas in Python floats: measured 1.4e-14 apart (a few ulps);
+# torch's default float64 tolerance (1e-7) would hide a wrong constant in the 8th digit
+LOGITS_CLOSE = {"rtol": 0.0, "atol": 1e-12}
 
 
 @pytest.fixture(autouse=True)
@@ -89,9 +92,9 @@ def test_arcface_closed_form():
         [S * (arcface_by_hand(t, 0.5) if j == y else math.cos(t)) for j, t in enumerate(row)]
         for row, (_, y) in zip(thetas(), SAMPLES)
     ]
-    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64), **LOGITS_CLOSE)
     # the last sample has θ_y = 2.9 > π − m: the linear branch, not cos(3.4) (which would be higher)
-    assert head(embeddings, labels)[3, 2].item() == pytest.approx(S * (math.cos(2.9) - 0.5 * math.sin(0.5)))
+    assert head(embeddings, labels)[3, 2].item() == pytest.approx(S * (math.cos(2.9) - 0.5 * math.sin(0.5)), abs=1e-12)
 
 
 def test_cosface_closed_form():
@@ -100,7 +103,7 @@ def test_cosface_closed_form():
         [S * (math.cos(t) - 0.35 if j == y else math.cos(t)) for j, t in enumerate(row)]
         for row, (_, y) in zip(thetas(), SAMPLES)
     ]
-    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64), **LOGITS_CLOSE)
 
 
 def curricular_by_hand(t_before: float, m: float = 0.5, alpha: float = 0.01) -> tuple[list[list[float]], float]:
@@ -130,15 +133,15 @@ def test_curricularface_closed_form_and_t_update():
     assert isinstance(margin, CurricularFaceMargin) and margin.t.item() == 0.0
 
     expected, t1 = curricular_by_hand(0.0)
-    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64))
-    assert margin.t.item() == pytest.approx(t1, rel=1e-6)
+    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64), **LOGITS_CLOSE)
+    assert margin.t.item() == pytest.approx(t1, rel=1e-12)  # float64 t: measured 7.5e-15 relative
     # the fixture has both kinds of negatives: hard (sample 2 vs class 0) and easy (sample 0 vs class 1)
     cos = [[math.cos(t) for t in row] for row in thetas()]
     assert cos[2][0] > math.cos(2.3 + 0.5) and cos[0][1] < math.cos(0.3 + 0.5)
 
     expected, t2 = curricular_by_hand(t1)
-    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64))
-    assert margin.t.item() == pytest.approx(t2, rel=1e-6)
+    torch.testing.assert_close(head(embeddings, labels), torch.tensor(expected, dtype=torch.float64), **LOGITS_CLOSE)
+    assert margin.t.item() == pytest.approx(t2, rel=1e-12)  # float64 t: measured 7.5e-15 relative
 
     # evaluation mode reads t and leaves it alone
     head.eval()
@@ -232,7 +235,8 @@ def test_autograd_equals_the_hand_derivative(name: str):
                 d = d_cos
             total += weights[i, j].item() * S * d
         expected.append(total)
-    torch.testing.assert_close(phi.grad, torch.tensor(expected, dtype=torch.float64))
+    # float64 sums of 3 terms up to ~200: measured 2.8e-14 apart; 1e-11 is far above rounding, far below a wrong term
+    torch.testing.assert_close(phi.grad, torch.tensor(expected, dtype=torch.float64), rtol=0.0, atol=1e-11)
 
 
 def test_float32_even_under_autocast():
