@@ -40,7 +40,8 @@ from facepipe.evaluation.verification import (
 def test_cosine_scores_of_hand_picked_vectors() -> None:
     a = np.array([[1.0, 0.0], [3.0, 4.0], [1.0, 1.0]])
     b = np.array([[2.0, 0.0], [-3.0, -4.0], [1.0, -1.0]])
-    np.testing.assert_allclose(cosine_scores(a, b), [1.0, -1.0, 0.0], atol=1e-12)
+    # norms 1, 5, sqrt(2): float64 gives these within an ulp or two
+    np.testing.assert_allclose(cosine_scores(a, b), [1.0, -1.0, 0.0], rtol=0, atol=1e-15)
 
 
 def test_threshold_accuracies_by_hand() -> None:
@@ -48,18 +49,19 @@ def test_threshold_accuracies_by_hand() -> None:
     scores = np.array([0.1, 0.4, 0.35, 0.8])
     same = np.array([False, False, True, True])
     thresholds, accuracies = threshold_accuracies(scores, same)
-    np.testing.assert_allclose(thresholds, [-0.9, 0.225, 0.375, 0.6, 1.8])
-    np.testing.assert_allclose(accuracies, [0.5, 0.75, 0.5, 0.75, 0.5])
+    # midpoints of float64 scores (one rounding each); accuracies are counts / 4, exact
+    np.testing.assert_allclose(thresholds, [-0.9, 0.225, 0.375, 0.6, 1.8], rtol=1e-15, atol=0)
+    np.testing.assert_array_equal(accuracies, [0.5, 0.75, 0.5, 0.75, 0.5])
     # two thresholds reach 0.75: the lower one wins
-    assert best_threshold(scores, same) == pytest.approx((0.225, 0.75))
+    assert best_threshold(scores, same) == pytest.approx((0.225, 0.75), rel=1e-15)
 
 
 def test_threshold_accuracies_with_tied_scores() -> None:
     scores = np.array([0.5, 0.5, 0.5, 0.9])
     same = np.array([True, False, False, True])
     thresholds, accuracies = threshold_accuracies(scores, same)
-    np.testing.assert_allclose(thresholds, [-0.5, 0.7, 1.9])
-    np.testing.assert_allclose(accuracies, [0.5, 0.75, 0.5])
+    np.testing.assert_allclose(thresholds, [-0.5, 0.7, 1.9], rtol=1e-15, atol=0)  # midpoints: one rounding
+    np.testing.assert_array_equal(accuracies, [0.5, 0.75, 0.5])  # counts / 4
 
 
 def test_fold_ids_reproduce_the_lfw_sets() -> None:
@@ -88,18 +90,19 @@ def test_kfold_accuracy_by_hand() -> None:
     # Fold 0 is tested with the threshold learnt on fold 1 (scores 0.9 s, 0.3 s, 0.2 d, 0.7 d):
     # best is 0.25 (3/4 right, the lowest of the ties); on fold 0 it gets all 4 right.
     # Fold 1 with the threshold of fold 0 (0.9 s, 0.8 s, 0.1 d, 0.2 d): 0.5; on fold 1: 2/4.
-    np.testing.assert_allclose(thresholds, [0.25, 0.5])
-    np.testing.assert_allclose(accuracies, [1.0, 0.5])
+    np.testing.assert_allclose(thresholds, [0.25, 0.5], rtol=1e-15, atol=0)  # midpoints: one rounding
+    np.testing.assert_array_equal(accuracies, [1.0, 0.5])  # counts / 4
 
 
 def test_roc_curve_and_auc_by_hand() -> None:
     scores = np.array([0.9, 0.8, 0.7, 0.6])
     same = np.array([True, False, True, False])
     fpr, tpr, thresholds = roc_curve(scores, same)
-    np.testing.assert_allclose(fpr, [0, 0, 0.5, 0.5, 1])
-    np.testing.assert_allclose(tpr, [0, 0.5, 0.5, 1, 1])
-    np.testing.assert_allclose(thresholds, [np.inf, 0.9, 0.8, 0.7, 0.6])
-    assert roc_auc(fpr, tpr) == pytest.approx(0.75)
+    # counts / 2 and the scores themselves: exact; so is the trapezoid sum of halves
+    np.testing.assert_array_equal(fpr, [0, 0, 0.5, 0.5, 1])
+    np.testing.assert_array_equal(tpr, [0, 0.5, 0.5, 1, 1])
+    np.testing.assert_array_equal(thresholds, [np.inf, 0.9, 0.8, 0.7, 0.6])
+    assert roc_auc(fpr, tpr) == 0.75
 
 
 def test_auc_equals_the_pairwise_definition_with_ties() -> None:
@@ -110,7 +113,7 @@ def test_auc_equals_the_pairwise_definition_with_ties() -> None:
     greater = (positives[:, None] > negatives[None, :]).mean()
     ties = (positives[:, None] == negatives[None, :]).mean()
     fpr, tpr, _ = roc_curve(scores, same)
-    assert roc_auc(fpr, tpr) == pytest.approx(greater + 0.5 * ties)
+    assert roc_auc(fpr, tpr) == pytest.approx(greater + 0.5 * ties, rel=1e-12)  # sums of ~200 float64 terms
 
 
 def test_thin_roc_keeps_corners_only() -> None:
@@ -132,7 +135,7 @@ def test_tar_at_far_by_hand() -> None:
     # FAR 1e-3 of 1000 negatives allows one false accept (0.999): the threshold can go down to 0.9985.
     result = tar_at_far(*curve, far=1e-3, num_negative=1000)
     assert result is not None
-    assert result.tar == pytest.approx(2 / 3) and result.threshold == pytest.approx(0.9985)
+    assert result.tar == pytest.approx(2 / 3, rel=1e-15) and result.threshold == 0.9985  # a score itself
     # 1000 negatives cannot measure FAR 1e-4
     assert tar_at_far(*curve, far=1e-4, num_negative=1000) is None
 
@@ -151,7 +154,7 @@ def test_verification_metrics_on_separable_scores() -> None:
     result = verification_metrics(scores, same, folds=10, far_targets=(1e-3, 1e-4))
     assert result.accuracy_mean == 1.0 and result.accuracy_std == 0.0
     assert result.best_accuracy == 1.0 and 0.4 <= result.best_threshold <= 0.5
-    assert result.auc == pytest.approx(1.0)
+    assert result.auc == 1.0  # the ROC is the corner (0, 1): a trapezoid of 0s and 1s
     assert result.tar_at_far[1e-3] is not None and result.tar_at_far[1e-3].tar == 1.0
     assert result.tar_at_far[1e-4] is None  # 1000 negatives
     assert (result.num_positive, result.num_negative) == (1000, 1000)
@@ -198,7 +201,7 @@ def test_verification_metrics_by_hand_with_defaults() -> None:
     assert result.accuracy_std == pytest.approx(np.std(result.fold_accuracies), abs=1e-15)  # population std
     assert sorted(result.tar_at_far) == [1e-4, 1e-3] and all(v is None for v in result.tar_at_far.values())
     # over all 40 pairs: scores 0.1 d, 0.2 dd, 0.3 s, 0.7 d, 0.8 s, 0.9 ss (x5); best split at 0.25: 35/40
-    assert (result.best_threshold, result.best_accuracy) == pytest.approx((0.25, 35 / 40))
+    assert (result.best_threshold, result.best_accuracy) == pytest.approx((0.25, 35 / 40), rel=1e-15)
     assert (result.num_positive, result.num_negative) == (20, 20)
     # AUC by the pairwise definition: P(score of a same pair > a different one), ties count one half
     positives, negatives = scores[same], scores[~same]
@@ -254,7 +257,7 @@ def test_few_negatives_are_all_enumerated_exactly() -> None:
     assert every == different  # each is drawn by some seed, nothing else
 
 
-def test_all_negatives_of_three_identities_when_all_are_asked_for() -> None:
+def test_drawn_negatives_are_distinct_ordered_pairs_of_different_identities() -> None:
     labels = np.array([2, 0, 1, 0, 2, 1], dtype=np.int64)  # identities hold samples {1,3} {2,5} {0,4}
     result = sample_pairs(labels, np.arange(3), num_pairs=6, seed=0)
     negatives = {tuple(p) for p in result.indexes[~result.same].tolist()}
