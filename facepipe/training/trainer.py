@@ -47,12 +47,13 @@ from facepipe.training.distributed import (
     reset_powersgd,
     wrap_model,
 )
+from facepipe.training.memory import peak_memory_mb
 from facepipe.training.metrics import TrainMetrics
 from facepipe.training.schedule import Plan
 
 log = logging.getLogger("facepipe.training")
 
-_AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -150,7 +151,7 @@ class Trainer:
         self.comm_hook = comm_hook if context.enabled else "none"
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.amp_dtype = _AMP_DTYPES[amp]
+        self.amp_dtype = AMP_DTYPES[amp]
         self.grad_clip = grad_clip
         self.scaler = torch.amp.GradScaler(context.device.type, enabled=amp == "fp16")
         self.state = TrainState()
@@ -378,7 +379,7 @@ class Trainer:
         with Progress(remaining, desc="train", unit="step", enabled=self.context.is_main, logger=log) as progress:
             window = _Window(state.step)
             while state.epoch < plan.epochs and not self._stop(options):
-                epoch_start = time.perf_counter()
+                epoch_start, epoch_first_step = time.perf_counter(), state.step
                 sampler.set_epoch(state.epoch, start_sample=state.epoch_samples)
                 for micro_batches in _steps(loader, plan.accum_steps):
                     self.train_step(micro_batches)
@@ -394,14 +395,35 @@ class Trainer:
                     state.epoch += 1
                     state.epoch_samples = 0
                     seconds = time.perf_counter() - epoch_start
-                    if metrics is not None:
-                        metrics.log(state.step, {"epoch": state.epoch, "epoch_time_s": seconds})
-                    log.info("epoch %d/%d done in %.1f s", state.epoch, plan.epochs, seconds)
+                    self._log_epoch(metrics, seconds=seconds, steps=state.step - epoch_first_step)
                 if saved_at != state.step:
                     saved_at = self._save(options)
             if window.step != state.step:
                 self._log(window, metrics)
         return state
+
+    def _log_epoch(self, metrics: TrainMetrics | None, *, seconds: float, steps: int) -> None:
+        """Time and memory of the epoch just done (collective: the peak is the largest over ranks)."""
+        peak = torch.tensor(peak_memory_mb(self.context.device), dtype=torch.float64, device=self.context.device)
+        if self.context.enabled:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        values = {
+            "epoch": self.state.epoch,
+            "epoch_time_s": seconds,
+            "step_time_s": seconds / max(steps, 1),
+            "peak_memory_mb": peak.item(),
+        }
+        if metrics is not None:
+            metrics.log(self.state.step, values)
+        log.info(
+            "epoch %d/%d done in %.1f s (%.3f s/step), peak %s memory %.0f MiB",
+            self.state.epoch,
+            self.plan.epochs,
+            seconds,
+            values["step_time_s"],
+            "GPU" if self.context.device.type == "cuda" else "RSS",
+            values["peak_memory_mb"],
+        )
 
     def _stop(self, options: LoopOptions) -> bool:
         return options.max_steps is not None and self.state.step >= options.max_steps
