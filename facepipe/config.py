@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -217,7 +217,11 @@ class TrainParams(Section):
     margin: float | None = Field(None, description="margin m of the head; null = the head's default")
     gradient_checkpointing: bool = False
     epochs: int = Field(20, ge=1)
-    batch_size: int = Field(128, ge=1, description="samples per process per micro-step")
+    batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        128,
+        description="samples per process per micro-step; auto = the largest that fits the device, found by trial "
+        "steps at the start (dense head only; the rate scales with the batch found)",
+    )
     accum_steps: int = Field(1, ge=1, description="micro-steps per optimizer step")
     optimizer: OptimizerName = "sgd"
     lr: float = Field(0.1, gt=0, description="learning rate for reference_batch samples per step")
@@ -261,9 +265,19 @@ class TrainParams(Section):
 
     @model_validator(mode="after")
     def _sampling_needs_the_sharded_head(self) -> TrainParams:
+        if self.batch_size == "auto" and self.head_parallel == "sharded":
+            # the sharded head's forward is collective: a rank out of memory mid-trial would hang the others
+            raise ValueError("batch_size auto needs head_parallel: dense (give the sharded head a batch size)")
         if self.sample_rate < 1 and self.head_parallel != "sharded":
             raise ValueError(f"sample_rate {self.sample_rate} < 1 needs head_parallel: sharded")
         return self
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _count_or_auto(cls, value: object) -> object:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(f"must be an integer >= 1 or auto, got {value!r}")
 
     @field_validator("amp", mode="before")
     @classmethod

@@ -92,3 +92,14 @@ def test_peak_memory_and_step_time_are_logged_per_epoch(tmp_path: Path) -> None:
     for name in ("peak_memory_mb", "step_time_s"):
         rows = (folder / f"{name}.tsv").read_text().splitlines()
         assert rows[0] == f"step\t{name}" and len(rows) == 3, rows  # one point per epoch
+
+
+def test_batch_size_is_a_count_or_auto() -> None:
+    from facepipe.config import ParamsError, TrainParams, parse_section
+
+    assert parse_section(TrainParams, "train", {"batch_size": "auto"}).batch_size == "auto"
+    for bad in (0, "big", 2.5, True):
+        with pytest.raises(ParamsError, match=r"^train.batch_size: .*must be an integer >= 1 or auto"):
+            parse_section(TrainParams, "train", {"batch_size": bad})
+    with pytest.raises(ParamsError, match="batch_size auto needs head_parallel: dense"):
+        parse_section(TrainParams, "train", {"batch_size": "auto", "head_parallel": "sharded"})
