@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import yaml
 from facepipe.alignment import template
 from facepipe.cli import main
 from facepipe.config import PrepareParams
+from facepipe.data.decode import Reject
 from facepipe.data.extract import _gate
 from facepipe.data.scan import scan_raw
 from facepipe.detection import Face, select_face
@@ -71,12 +73,14 @@ def test_every_reject_reason_and_the_accounting(faces_raw, prepared):
     assert verify(out) == []
 
 
-def test_records_are_self_describing(prepared):
+def test_records_are_self_describing(faces_raw, prepared):
+    raw, _ = faces_raw
     out, _ = prepared
     record = ShardSet(out).record(0)
     header = record.header
     assert header["path"] == "astro/0001.jpg" and header["label"] == 0
-    assert len(header["sha256"]) == 64 and header["score"] >= 0.95
+    assert header["sha256"] == hashlib.sha256((raw / "astro" / "0001.jpg").read_bytes()).hexdigest()  # the source file's
+    assert header["score"] >= 0.95
     assert np.asarray(header["landmarks"]).shape == (5, 2)
     assert record.image().shape == (112, 112, 3)
 
@@ -290,12 +294,10 @@ def face(x1, y1, size, score) -> Face:
 
 def test_gates_name_the_reason():
     params = PrepareParams(min_face_size=40, score_threshold=0.95)
-    with pytest.raises(Exception, match="no_face"):
-        _gate([], params, (200, 200))
-    with pytest.raises(Exception, match="low_score"):
-        _gate([face(0, 0, 80, 0.9)], params, (200, 200))
-    with pytest.raises(Exception, match="face_too_small"):
-        _gate([face(0, 0, 30, 0.99)], params, (200, 200))
+    for faces, reason in (([], "no_face"), ([face(0, 0, 80, 0.9)], "low_score"), ([face(0, 0, 30, 0.99)], "face_too_small")):
+        with pytest.raises(Reject) as caught:
+            _gate(faces, params, (200, 200))
+        assert caught.value.reason == reason
     # a confident big face wins over a more confident small one
     assert _gate([face(0, 0, 30, 0.999), face(50, 50, 60, 0.96)], params, (200, 200)).score == 0.96
 
