@@ -100,13 +100,28 @@ def flatten_metrics(shown: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["file"], r["metric"]))
 
 
+def prepare_file_counts(project: Path) -> list[dict[str, Any]]:
+    """Rows ``{file, metric, value}``: the files the last prepare reused, processed and removed (its
+    report.json, inside the prepare stage's output folder: not a DVC metric, since that folder is an output)."""
+    spec = yaml.safe_load((project / "dvc.yaml").read_text()) or {}
+    outs = ((spec.get("stages") or {}).get("prepare") or {}).get("outs") or []
+    if not outs:
+        return []
+    report = f"{_entry_path(outs[0]).rstrip('/')}/report.json"
+    try:
+        files = json.loads((project / report).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [{"file": report, "metric": f"files.{key}", "value": value} for key, value in sorted(files.items())]
+
+
 @task(name="publish-metrics")
 def publish_metrics(project: Path) -> list[dict[str, Any]]:
     """Publish ``dvc metrics show`` as a table artifact (key ``facepipe-metrics``) in the Prefect UI."""
     shown = dvc(project, "metrics", "show", "--json")
     if shown.returncode != 0:
         raise StageFailed(f"dvc metrics show failed:\n{_tail(shown.stdout + shown.stderr)}")
-    rows = flatten_metrics(json.loads(shown.stdout or "{}"))
+    rows = flatten_metrics(json.loads(shown.stdout or "{}")) + prepare_file_counts(project)
     if rows:
         create_table_artifact(rows, key="facepipe-metrics", description="metrics of the latest pipeline run")
     return rows

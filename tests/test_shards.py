@@ -269,7 +269,7 @@ def test_the_manifest_records_sizes_and_small_file_hashes_deterministically(tmp_
     a, b = small_set(tmp_path / "a"), small_set(tmp_path / "b")
     assert (a / "manifest.json").read_bytes() == (b / "manifest.json").read_bytes()
     manifest = json.loads((a / "manifest.json").read_text())
-    assert manifest["version"] == 2 and manifest["files"] == {
+    assert manifest["version"] == 3 and manifest["files"] == {  # 3: generations (prepare --update)
         name: hashlib.sha256((a / name).read_bytes()).hexdigest() for name in ("labels.json", "rejects.jsonl")
     }
     assert [s["bytes"] for s in manifest["shards"]] == [shard_file(a, i).stat().st_size for i in range(3)]

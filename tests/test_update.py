@@ -249,3 +249,34 @@ def test_dvc_cache_grows_by_the_new_shards_only(tmp_path):
     assert len(new_shards) == 1 and sum(map(len, shards_before.values())) > 5 * new_bytes
     # the cache grew by the new shard, the small files and DVC's directory listing (.dir), nothing more
     assert new_bytes <= grown <= new_bytes + small + 8192, (grown, new_bytes, small)
+
+
+def test_cli_update_summary_refusal_and_compact(tmp_path, capsys):
+    from facepipe.cli import main
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare:\n" + "".join(f"  {k}: {v}\n" for k, v in PARAMS.model_dump().items() if v is not None))
+    run(raw, out)
+    assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 0  # nothing to read: no cluster
+    assert "generation 1: reused 10, processed 0, removed 0 file(s)" in capsys.readouterr().out
+    params.write_text(params.read_text().replace("image_size: 112", "image_size: 96"))
+    assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "image_size: 112 -> 96" in err and "run a full prepare" in err
+    assert main(["compact", str(out)]) == 0
+    assert "compact: 2 generation(s) -> 1; 9 samples" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["generations"][0]["generation"] == 0
+
+
+def test_the_pipeline_flow_metrics_show_the_files_reused_processed_removed(tmp_path):
+    from flows.pipeline import prepare_file_counts
+
+    (tmp_path / "dvc.yaml").write_text("stages:\n  prepare:\n    outs:\n      - data/prepared:\n          persist: true\n")
+    (tmp_path / "data" / "prepared").mkdir(parents=True)
+    (tmp_path / "data" / "prepared" / "report.json").write_text(json.dumps({"files": {"reused": 9, "processed": 1, "removed": 2}}))
+    assert prepare_file_counts(tmp_path) == [
+        {"file": "data/prepared/report.json", "metric": f"files.{k}", "value": v}
+        for k, v in (("processed", 1), ("removed", 2), ("reused", 9))
+    ]

@@ -113,8 +113,9 @@ class FaceDataset(Dataset):
         #: [M] int64 label of each item in [0, num_classes).
         self.labels = remap[original[self.indices]]
         #: [M] shard of each item and its index within that shard.
-        self.item_shards = np.searchsorted(self.shards.offsets, self.indices, side="right") - 1
-        self.item_local = self.indices - self.shards.offsets[self.item_shards]
+        stored = self.shards.stored(self.indices)  # a grown set (prepare --update) skips excluded samples
+        self.item_shards = np.searchsorted(self.shards.offsets, stored, side="right") - 1
+        self.item_local = stored - self.shards.offsets[self.item_shards]
         self.class_names = [self.shards.identities[label] for label in kept]
 
     @property

@@ -19,6 +19,11 @@ from facepipe.io.shards import SET_FORMAT, SET_VERSION, ShardInfo, ShardReader, 
 
 #: The small files whose sha256 the manifest records under ``files``.
 HASHED_FILES = ("labels.json", "rejects.jsonl")
+#: One JSON line per scanned entry, in scan order: ``{"path", "sha256", "reason", "sample", "size",
+#: "mtime_ns", "generation"}`` (``sample``: stored index of its record, None for a reject). What
+#: ``prepare --update`` compares RAW against and ``compact`` rebuilds from. Not hashed by the manifest:
+#: sizes and modification times are this machine's (the manifest stays the same on every machine).
+SOURCES_FILE = "sources.jsonl"
 
 
 def dumps(obj: Any) -> str:
@@ -33,18 +38,33 @@ def build_manifest(
     num_identities: int,
     counts: Mapping[str, int],
     params: Mapping[str, Any],
+    generations: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The manifest dict of a finished set (``image``: size, encoding, quality, template)."""
-    return {
+    """The manifest dict of a finished set (``image``: size, encoding, quality, template).
+
+    ``generations``: one entry per ``prepare`` / ``prepare --update`` run that made the set, oldest
+    first (``{"generation", "shards", "counts", "reused", "removed", "labels", "excluded"}``);
+    ``num_samples`` counts live samples (stored less every generation's ``excluded``).
+    """
+    excluded = sum(len(indexes) for g in generations for indexes in g.get("excluded", {}).values())
+    manifest = {
         "format": SET_FORMAT,
         "version": SET_VERSION,
         "image": dict(image),
-        "num_samples": sum(s.num_samples for s in shards),
+        "num_samples": sum(s.num_samples for s in shards) - excluded,
         "num_identities": num_identities,
         "shards": [s.manifest_entry() for s in shards],
         "counts": dict(counts),
         "params": dict(params),
     }
+    if generations:
+        manifest["generations"] = [dict(g) for g in generations]
+    return manifest
+
+
+def excluded_count(manifest: Mapping[str, Any]) -> int:
+    """Stored samples that a later generation excluded (0 for a set of one generation)."""
+    return sum(len(indexes) for g in manifest.get("generations", []) for indexes in g.get("excluded", {}).values())
 
 
 def write_metadata(
@@ -117,11 +137,16 @@ def _count_problems(manifest: Mapping[str, Any], rejects: Path) -> list[str]:
     if not isinstance(counts, dict) or not all(isinstance(counts.get(k), int) for k in ("scanned", "accepted", "rejected")):
         return ["manifest counts: scanned, accepted and rejected must all be integers"]
     problems = []
-    in_shards = sum(int(entry["num_samples"]) for entry in manifest["shards"])
+    in_shards = sum(int(entry["num_samples"]) for entry in manifest["shards"]) - excluded_count(manifest)
     if manifest.get("num_samples") != in_shards:
-        problems.append(f"manifest num_samples {manifest.get('num_samples')} != {in_shards}, the sum over shards")
+        problems.append(f"manifest num_samples {manifest.get('num_samples')} != {in_shards}, the sum over shards (less excluded samples)")
     if counts["scanned"] != counts["accepted"] + counts["rejected"]:
         problems.append("manifest counts: scanned != accepted + rejected")
+    for generation in manifest.get("generations", []):
+        got = generation.get("counts") if isinstance(generation, dict) else None
+        if not isinstance(got, dict) or got.get("scanned") != got.get("accepted", 0) + got.get("rejected", 0):
+            problems.append(f"manifest generation {generation.get('generation') if isinstance(generation, dict) else '?'}"
+                            " counts: scanned != accepted + rejected")
     if counts["accepted"] != in_shards:
         problems.append(f"manifest counts: accepted {counts['accepted']} != {in_shards} samples in the shards")
     if rejects.is_file():

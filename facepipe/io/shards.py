@@ -46,7 +46,9 @@ SHARD_VERSION = 3  # 3: records in runs (records.encode_run); 2: one record per 
 READABLE_SHARD_VERSIONS = (2, 3)
 RECORDS_PER_RUN = 16  # ~100-160 KB values for 112x112 JPEG faces: < 2 % lost to page rounding
 SET_FORMAT = "facepipe-shards"
-SET_VERSION = 2  # 2: record CRC-32s; shard sizes and labels.json / rejects.jsonl hashes in the manifest
+SET_VERSION = 3  # 3: generations (prepare --update) with per-generation exclusions; sources.jsonl
+#: Set versions this facepipe reads: 2 (record CRC-32s; shard sizes and small files' hashes) and 3.
+READABLE_SET_VERSIONS = (2, 3)
 
 LABELS_KEY = b"__labels__"
 META_KEY = b"__meta__"
@@ -411,16 +413,48 @@ class ShardSet:
             raise ShardSetError(f"unreadable shard set metadata in {self.root}: {error}") from None
         if not isinstance(self.manifest, dict):
             raise ShardSetError(f"manifest.json of {self.root} is not a JSON object")
-        if self.manifest.get("format") != SET_FORMAT or self.manifest.get("version") != SET_VERSION:
+        if self.manifest.get("format") != SET_FORMAT or self.manifest.get("version") not in READABLE_SET_VERSIONS:
             raise ShardSetError(
                 f"unsupported shard set format {self.manifest.get('format')!r} "
-                f"v{self.manifest.get('version')} in {self.root}" + _older(self.manifest.get("version"), SET_VERSION)
+                f"v{self.manifest.get('version')} in {self.root}"
+                + _older(self.manifest.get("version"), READABLE_SET_VERSIONS[0])
             )
         if not isinstance(self.identities, list) or not all(isinstance(n, str) for n in self.identities):
             raise ShardSetError(f"labels.json of {self.root} is not a JSON list of names")
         files, counts = self._shard_list()
         self.readers = [ShardReader(self.root / "shards" / file) for file in files]
+        #: [S + 1] first stored (physical) sample index of each shard, excluded samples included.
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        #: shard file -> sorted local indexes of its samples that a later generation removed
+        self.excluded = self._exclusions(files, counts)
+        #: [N] stored index of each live sample (None: nothing is excluded, live == stored)
+        self.live: np.ndarray | None = None
+        if self.excluded:
+            mask = np.ones(int(self.offsets[-1]), dtype=bool)
+            for shard, file in enumerate(files):
+                mask[self.offsets[shard] + self.excluded.get(file, np.zeros(0, np.int64))] = False
+            self.live = np.flatnonzero(mask)
+
+    def _exclusions(self, files: list[str], counts: list[int]) -> dict[str, np.ndarray]:
+        """The union of every generation's ``excluded`` map ({shard file: [local index]}), checked."""
+        union: dict[str, set[int]] = {}
+        try:
+            for generation in self.manifest.get("generations", []):
+                for file, indexes in generation.get("excluded", {}).items():
+                    union.setdefault(file, set()).update(int(i) for i in indexes)
+        except (AttributeError, TypeError, ValueError):
+            raise ShardSetError(f"manifest.json of {self.root} has a malformed exclusion list") from None
+        size = dict(zip(files, counts))
+        for file, indexes in union.items():
+            if file not in size or any(not 0 <= i < size[file] for i in indexes):
+                raise ShardSetError(f"manifest.json of {self.root} excludes samples that {file!r} does not hold")
+        return {file: np.asarray(sorted(indexes), dtype=np.int64) for file, indexes in sorted(union.items())}
+
+    def stored(self, indexes: np.ndarray | int) -> np.ndarray | int:
+        """Live sample index (what ``len``, ``labels``, ``get``, ``record`` count) -> stored index."""
+        if self.live is None:
+            return indexes
+        return self.live[indexes] if isinstance(indexes, np.ndarray) else int(self.live[indexes])
 
     def _shard_list(self) -> tuple[list[str], list[int]]:
         """The manifest's shard files (each a safe path under shards/) and sample counts."""
@@ -435,16 +469,18 @@ class ShardSet:
         return [file for file, _ in entries], [count for _, count in entries]
 
     def __len__(self) -> int:
-        return int(self.offsets[-1])
+        """Live samples: those stored, less those a later generation excluded."""
+        return int(self.offsets[-1]) if self.live is None else len(self.live)
 
     @property
     def num_identities(self) -> int:
         return len(self.identities)
 
     def locate(self, index: int) -> tuple[int, int]:
-        """Global sample index -> (shard index, index within the shard)."""
+        """Live sample index -> (shard index, index within the shard)."""
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range [0, {len(self)})")
+        index = self.stored(index)
         shard = int(np.searchsorted(self.offsets, index, side="right") - 1)
         return shard, int(index - self.offsets[shard])
 
@@ -457,10 +493,11 @@ class ShardSet:
         return self.readers[shard].record(local)
 
     def labels(self) -> np.ndarray:
-        """[N] int64 labels of every sample in global order, from the per-shard label indexes."""
+        """[N] int64 labels of every live sample in stored order, from the per-shard label indexes."""
         if not self.readers:
             return np.zeros(0, dtype=np.int64)
-        return np.concatenate([reader.labels() for reader in self.readers])
+        stored = np.concatenate([reader.labels() for reader in self.readers])
+        return stored if self.live is None or len(stored) != int(self.offsets[-1]) else stored[self.live]
 
     def close(self) -> None:
         for reader in self.readers:
