@@ -21,6 +21,17 @@ from facepipe.stages import export
 SIZE = 32
 
 
+@pytest.fixture(autouse=True)
+def _empty_working_directory(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Every test runs from an empty working directory that must stay empty: export writes only under its
+    output folder (a mutant saving to str(None) left ./None in the mutation runner's directory, which
+    later mutants then read as if it were their output)."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(cwd)
+    yield
+    assert list(cwd.iterdir()) == [], "written to the working directory"
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
