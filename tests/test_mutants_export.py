@@ -27,9 +27,11 @@ from facepipe.exporting import (
 
 
 def test_unit_rows_by_hand() -> None:
-    rows = unit_rows(np.array([[3.0, 4.0], [0.0, 0.0], [0.0, -2.0]], dtype=np.float32))
+    rows = unit_rows(np.array([[3.0, 4.0], [0.0, 0.0], [0.0, -2.0], [0.0, 0.25]], dtype=np.float32))
     assert rows.dtype == np.float64
-    np.testing.assert_array_equal(rows, [[0.6, 0.8], [0.0, 0.0], [0.0, -1.0]])
+    np.testing.assert_array_equal(rows, [[0.6, 0.8], [0.0, 0.0], [0.0, -1.0], [0.0, 1.0]])  # short rows too
+    # only a norm below 1e-12 is held at 1e-12 (no division by zero); 0.3, 0.4 up to float64 rounding
+    np.testing.assert_allclose(unit_rows(np.array([[3e-13, 4e-13]])), [[0.3, 0.4]], rtol=1e-15, atol=0)
 
 
 def test_compare_bounds_by_hand() -> None:
@@ -42,8 +44,11 @@ def test_compare_bounds_by_hand() -> None:
     assert not compare(exported, reference, atol=0.1, rtol=0.09).passed
     # the absolute bound alone is not enough when the direction differs by more than atol
     assert not compare(exported, reference, atol=0.04, rtol=1.0).passed
-    # the exact bound passes (<=), in both terms
-    assert compare(reference + 0.25, reference, atol=0.25, rtol=0.0).max_abs_diff == 0.25
+    # the exact bound passes (<=), in each term: dyadic numbers, so every difference below is exact
+    raw = compare(np.array([[1.5, 0.0]]), np.array([[1.0, 0.0]]), atol=0.25, rtol=0.25)  # |diff| 0.5 = 0.25 + 0.25 * 1
+    assert raw.passed and raw.max_abs_diff == 0.5 and raw.max_embedding_diff == 0.0
+    turned = compare(np.array([[0.0, 1.0]]), np.array([[1.0, 0.0]]), atol=1.0, rtol=0.0)  # unit rows 1 apart
+    assert turned.passed and turned.max_abs_diff == 1.0 and turned.max_embedding_diff == 1.0
 
 
 def test_compare_refuses_other_shapes_and_non_finite_outputs() -> None:
