@@ -298,3 +298,65 @@ def test_local_dask_workers_each_see_one_gpu(monkeypatch: pytest.MonkeyPatch) ->
     with dask_client(workers=1, device="cpu", device_count=2) as client:
         seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
     assert list(seen.values()) == [None]
+
+
+# --- throughput defaults ---------------------------------------------------------------------------
+
+
+def test_loader_workers_follow_the_cores_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import facepipe.parallel as parallel
+
+    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
+    assert parallel.loader_workers("auto", device_type="cpu", local_processes=1) == 1  # the demo
+    assert parallel.loader_workers(3, device_type="cpu", local_processes=1) == 3  # a number is kept
+    monkeypatch.setattr(parallel, "available_cores", lambda: 96)
+    assert parallel.loader_workers("auto", device_type="cuda", local_processes=8) == 8  # 12 cores each, capped
+    monkeypatch.setattr(parallel, "available_cores", lambda: 32)
+    assert parallel.loader_workers("auto", device_type="cuda", local_processes=8) == 3  # 4 cores each, one drives
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's
+    assert parallel.loader_workers("auto", device_type="cpu") == 4
+
+
+def test_metric_points_are_sparse_on_long_runs_and_every_step_on_the_demo() -> None:
+    from facepipe.config import TrainParams, load_section
+    from facepipe.training.trainer import auto_log_every
+
+    assert [auto_log_every(n) for n in (1, 48, 199, 3000, 10**6)] == [1, 1, 1, 30, 50]
+    demo = load_section(Path(__file__).parents[1] / "params.yaml", "train")
+    assert demo.log_every == demo.num_workers == "auto" and TrainParams().log_every == "auto"
+
+
+def test_channels_last_backbone_trains_like_the_default_layout() -> None:
+    """Same step, other memory layout: weights in channels-last and results equal up to float rounding
+    (the convolution kernels differ, so not bit-identical: off by default)."""
+    import torch
+    from train_helpers import tiny_params
+
+    from facepipe.stages.train import build_model
+    from facepipe.training.distributed import Distributed
+    from facepipe.training.optimizer import build_optimizer
+    from facepipe.training.schedule import Plan, build_scheduler
+    from facepipe.training.trainer import Trainer
+
+    plan = Plan(
+        world_size=1, batch_size=4, accum_steps=1, effective_batch=4, lr=1e-3,
+        epochs=1, steps_per_epoch=2, total_steps=2, warmup_steps=0,
+    )
+    context = Distributed(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    trainers = []
+    for channels_last in (False, True):
+        torch.manual_seed(0)
+        model = build_model(tiny_params(), num_classes=3, image_size=16)
+        optimizer = build_optimizer([model], name="sgd", lr=plan.lr, momentum=0.9, weight_decay=5e-4)
+        scheduler = build_scheduler(optimizer, total_steps=2, warmup_steps=0, decay="cosine")
+        trainers.append(Trainer(model, optimizer, scheduler, context=context, plan=plan, channels_last=channels_last))
+    images = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for trainer in trainers:  # one step: rounding differences grow chaotically over steps of batch 4
+        trainer.train_step([(images, torch.tensor([0, 1, 2, 0]))])
+    losses = [trainer.collect_stats()["loss"] for trainer in trainers]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] != losses[1]
+    plain, last = (t.module.backbone for t in trainers)
+    convs = [p for p in last.parameters() if p.dim() == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    for (name, a), b in zip(plain.state_dict().items(), last.state_dict().values()):
+        assert (a.double() - b.double()).abs().max() <= 1e-4 * a.double().abs().max() + 1e-6, name

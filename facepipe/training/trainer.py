@@ -112,7 +112,7 @@ class LoopOptions:
     out: Path | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
-    log_every: int = 20
+    log_every: int | None = 20  # None: auto_log_every(total steps)
     max_steps: int | None = None
     checkpoint_extra: dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +133,7 @@ class Trainer:
         comm_hook: CommHook = "none",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 2,
+        channels_last: bool = False,
     ) -> None:
         check_precision(amp, context.device)
         self.context = context
@@ -146,6 +147,9 @@ class Trainer:
         # A sharded head holds different classes on each rank: only the backbone is data-parallel,
         # and the centres' gradients are never all-reduced.
         wrapped = model.backbone if self.sharded else model
+        self.channels_last = channels_last
+        if channels_last:  # before DDP, which registers the parameters' layout for its buckets
+            model.backbone.to(memory_format=torch.channels_last)
         hooks = HookOptions(comm_hook, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter)
         self.model, self.hook_state = wrap_model(wrapped, context, hooks=hooks)
         self.comm_hook = comm_hook if context.enabled else "none"
@@ -174,6 +178,8 @@ class Trainer:
         last = len(micro_batches) - 1
         for index, (images, labels) in enumerate(micro_batches):
             images = normalize(images.to(device, non_blocking=True))  # uint8 batches: [-1, 1] on the device
+            if self.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
             labels = labels.to(device, non_blocking=True)
             if self.sharded:  # Partial FC's draw: a function of the step, so a resumed run repeats it
                 self.module.head.sample_key = (self.state.step, index)
@@ -375,6 +381,7 @@ class Trainer:
         """Train until ``plan.epochs`` are done (or ``options.max_steps`` optimizer steps in all)."""
         plan, state = self.plan, self.state
         saved_at = state.step
+        log_every = options.log_every or auto_log_every(plan.total_steps)
         remaining = max(min(plan.total_steps, options.max_steps or plan.total_steps) - state.step, 0)
         with Progress(remaining, desc="train", unit="step", enabled=self.context.is_main, logger=log) as progress:
             window = _Window(state.step)
@@ -384,7 +391,7 @@ class Trainer:
                 for micro_batches in _steps(loader, plan.accum_steps):
                     self.train_step(micro_batches)
                     progress.update(1)
-                    if state.step % options.log_every == 0:
+                    if state.step % log_every == 0:
                         self._log(window, metrics)
                     if self._stop(options) or sampler.epoch_finished(state.epoch_samples):
                         break  # the checkpoint below covers this step
@@ -454,6 +461,13 @@ class Trainer:
             path = save_checkpoint(options.out, state, step=self.state.step, keep=options.keep_checkpoints)
             log.info("checkpoint %s", path)
         return self.state.step
+
+
+def auto_log_every(total_steps: int) -> int:
+    """Optimizer steps between metric points for ``log_every: auto``: about 100 points per run, every
+    step for short runs (the demo's curves), at most 50 steps apart. Each point synchronizes the
+    device with the host and the ranks with each other, so fewer points keep a GPU busier."""
+    return min(50, max(1, total_steps // 100))
 
 
 def _per_class(value: Any, shape: tuple[int, ...]) -> bool:
