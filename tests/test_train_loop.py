@@ -328,7 +328,7 @@ def one_line_error(capsys, argv: list[str]) -> str:
     [
         ({"lrr": 0.1}, "unknown key 'train.lrr'"),
         ({"augment": {"p_flip": 0.5}}, "unknown key 'train.augment.p_flip'"),
-        ({"batch_size": 0}, "train.batch_size: Input should be greater than or equal to 1"),
+        ({"batch_size": 0}, "train.batch_size: Value error, must be an integer >= 1 or auto, got 0"),
         ({"amp": "fp8"}, "train.amp: Input should be 'off', 'bf16' or 'fp16'"),
         ({"augment": {"jpeg_quality": [90, 40]}}, "train.augment.jpeg_quality: Value error, must be [min, max]"),
         ({"amp": "fp16"}, "train.amp: fp16 needs a CUDA device"),
