@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
-from tamper import flip_byte, record_offset
+from tamper import flip_byte, record_offset, rehash, small_set
 
 from facepipe.data.dataset import FaceDataset
 from facepipe.io import ShardReader, ShardSet, ShardWriter, encode_record
@@ -154,6 +154,27 @@ def test_version_2_shards_are_still_read(tmp_path):
     assert reader.labels().tolist() == [0, 1, 2, 0, 1, 2, 0]
     with pytest.raises(IndexError, match="no sample 7"):
         reader.get(7)
+
+
+def test_a_set_of_version_2_shards_reads_trains_and_verifies(tmp_path):
+    """A set prepared before format 3 (its shards rewritten here as format 2 wrote them, the manifest's
+    hashes and sizes updated): the dataset, iteration and verify work without a new prepare."""
+    root = small_set(tmp_path / "set")
+    before = ShardSet(root)
+    expected = [before.get(i) for i in range(len(before))]
+    for reader in before.readers:
+        data, labels = [reader.get(i) for i in range(len(reader))], reader.labels().tolist()
+        reader.close()
+        reader.path.unlink()
+        write_version_2_shard(reader.path, data, labels)
+    rehash(root)
+    shard_set = ShardSet(root)
+    assert [reader.records_per_run for reader in shard_set.readers] == [0, 0, 0]
+    assert [shard_set.get(i) for i in range(len(shard_set))] == expected
+    assert [record.path for reader in shard_set.readers for record in reader] == [decode_record(r).path for r in expected]
+    images = FaceDataset(shard_set).__getitems__([0, 11, 5])
+    assert [label for _, label in images] == [0, 2, 1]
+    assert verify(root) == []
 
 
 def test_unknown_shard_versions_and_run_sizes_are_refused(tmp_path):
