@@ -49,7 +49,10 @@ def run(params: SplitParams, prepared: str | Path, out: str | Path) -> dict[str,
     labels = shard_set.labels()
     names = shard_set.identities
     try:
-        val_labels = choose_holdout(names, params.val_identities, seed=params.seed)
+        # only identities with samples are held out: a grown set (prepare --update) keeps the labels of
+        # identities whose files were all removed, and such an empty class can be neither side of a pair
+        present = np.flatnonzero(np.bincount(labels, minlength=len(names)) > 0)
+        val_labels = present[choose_holdout([names[i] for i in present], params.val_identities, seed=params.seed)]
         sampled = sample_pairs(labels, val_labels, num_pairs=params.num_pairs, seed=params.seed)
     except ValueError as error:
         raise FacepipeError(f"cannot split {prepared} ({len(names)} identities): {error}") from None
