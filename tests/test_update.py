@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from facepipe.config import PrepareParams
+from facepipe.config import PrepareParams, SplitParams
 from facepipe.data.dataset import FaceDataset
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
-from facepipe.stages import compact, prepare
+from facepipe.stages import compact, export_rec, prepare, split
 from facepipe.stages.inspect import verify
 from rawdata import jpeg_bytes
 
@@ -122,6 +122,10 @@ def test_update_generations_stable_labels_and_compact_equals_a_fresh_prepare(gro
     excluded = manifest["generations"][2]["excluded"]
     assert sum(len(v) for v in excluded.values()) == 5  # id0/0-2, id1/0, the old id2/2
     assert np.bincount(ShardSet(out).labels(), minlength=5)[0] == 0  # id0: an empty class, label kept
+    # split and export-rec see the live samples only
+    summary = split.run(SplitParams(val_identities=2, num_pairs=20, seed=0), out, tmp_path / "split")
+    assert summary["prepared"] == {"num_identities": 5, "num_samples": 10}
+    assert export_rec.run(out, tmp_path / "rec", progress=False)["num_images"] == 10
     fresh = tmp_path / "fresh"
     run(raw, fresh)
     assert not all((out / n).read_bytes() == (fresh / n).read_bytes() for n in CANONICAL)
