@@ -94,8 +94,10 @@ def test_report_reads_a_sample_not_every_record(tmp_path, monkeypatch):
 
     root = write_synthetic_shard_set(tmp_path / "set", num_identities=60, samples_per_identity=10, samples_per_shard=100)
     reads = []
-    original = shards.ShardReader.get
-    monkeypatch.setattr(shards.ShardReader, "get", lambda self, i: reads.append(i) or original(self, i))
+    # every record read goes through one of these two (get() and record() call get_many)
+    get_many, iterate = shards.ShardReader.get_many, shards.ShardReader.__iter__
+    monkeypatch.setattr(shards.ShardReader, "get_many", lambda self, i: reads.extend(i) or get_many(self, i))
+    monkeypatch.setattr(shards.ShardReader, "__iter__", lambda self: (reads.append(r) or r for r in iterate(self)))
     collect(root, limits=Limits(identities=2, faces_per_identity=2, scores=10))
     assert len(reads) == 2 * 2 + 10
 
