@@ -79,7 +79,8 @@ def check_accounting(out: Path) -> dict:
     return manifest
 
 
-V1 = {**{f"id{i}/{j}.jpg": face(10 * i + j) for i in range(3) for j in range(3)}, "id0/empty.jpg": b""}
+# 9 faces, an empty file, a copy of id1/1.jpg (a duplicate reject, reused by every update)
+V1 = {**{f"id{i}/{j}.jpg": face(10 * i + j) for i in range(3) for j in range(3)}, "id0/empty.jpg": b"", "id2/dup.jpg": face(11)}
 
 
 @pytest.fixture()
@@ -91,22 +92,28 @@ def grown(tmp_path: Path) -> tuple[Path, Path, dict]:
     check_accounting(out)
     v1_files = files_of(out / "shards")
     v1_labels = json.loads((out / "labels.json").read_text())
-    write(raw, {"id1/7.jpg": face(107), "id9/0.jpg": face(900), "id9/1.jpg": face(901), "id9/copy.jpg": face(10)})
+    # new files; id9/copy.jpg copies id1/0.jpg (a duplicate); id0/aaa.jpg copies id2/1.jpg and sorts before it,
+    # so id2/1.jpg, accepted so far, is now the duplicate (decided without reading it, its record excluded)
+    write(raw, {"id1/7.jpg": face(107), "id9/0.jpg": face(900), "id9/1.jpg": face(901), "id9/copy.jpg": face(10),
+                "id0/aaa.jpg": face(21)})
     reports["add"] = run(raw, out, update=True)
     manifest = check_accounting(out)
     # existing shards byte-identical; new ones after them; labels stable, new identity appended
     assert {k: v for k, v in files_of(out / "shards").items() if k in v1_files} == v1_files
     assert json.loads((out / "labels.json").read_text()) == [*v1_labels, "id9"]
-    assert manifest["generations"][1]["labels"] == [3, 4] and manifest["generations"][1]["excluded"] == {}
-    assert reports["add"]["files"] == {"reused": 10, "processed": 4, "removed": 0}
-    assert reports["add"]["counts"] == {"scanned": 14, "accepted": 12, "rejected": 2}  # empty file, duplicate
+    assert manifest["generations"][1]["labels"] == [3, 4]
+    assert sum(map(len, manifest["generations"][1]["excluded"].values())) == 1  # id2/1.jpg's record
+    assert manifest["generations"][1]["counts"] == {"scanned": 6, "accepted": 4, "rejected": 2}
+    assert reports["add"]["files"] == {"reused": 10, "processed": 5, "removed": 0}
+    assert reports["add"]["counts"] == {"scanned": 16, "accepted": 12, "rejected": 4}  # empty file, 3 duplicates
     # add + delete + modify (+ touch one file without changing it)
     (raw / "id0" / "1.jpg").unlink()
     (raw / "id2" / "2.jpg").write_bytes(face(222))
     os.utime(raw / "id2" / "0.jpg", ns=(1, 1))
     (raw / "id1" / "0.jpg").unlink()  # the first copy of id9/copy.jpg: the copy now counts
-    for name in ("0.jpg", "1.jpg", "2.jpg"):
+    for name in ("0.jpg", "1.jpg", "2.jpg", "aaa.jpg"):
         (raw / "id0" / name).unlink(missing_ok=True)  # every sample of id0 gone: it keeps its label
+    # id0/aaa.jpg gone: id2/1.jpg is a first copy again and is read again
     write(raw, {"id3/0.jpg": face(300)})
     reports["mixed"] = run(raw, out, update=True)
     return raw, out, reports
@@ -117,10 +124,11 @@ def test_update_generations_stable_labels_and_compact_equals_a_fresh_prepare(gro
     manifest = check_accounting(out)
     assert len(manifest["generations"]) == 3
     assert json.loads((out / "labels.json").read_text()) == ["id0", "id1", "id2", "id9", "id3"]
-    # processed: the changed file, the new one, and the copy whose first copy went; the touched file is reused
-    assert reports["mixed"]["files"] == {"reused": 8, "processed": 3, "removed": 4}
+    # processed: the changed file, the new one, and the two copies whose first copy went; the touched
+    # file and the duplicate of an unchanged file are reused
+    assert reports["mixed"]["files"] == {"reused": 8, "processed": 4, "removed": 5}
     excluded = manifest["generations"][2]["excluded"]
-    assert sum(len(v) for v in excluded.values()) == 5  # id0/0-2, id1/0, the old id2/2
+    assert sum(len(v) for v in excluded.values()) == 6  # id0/0-2, id0/aaa, id1/0, the old id2/2
     assert np.bincount(ShardSet(out).labels(), minlength=5)[0] == 0  # id0: an empty class, label kept
     # split and export-rec see the live samples only
     summary = split.run(SplitParams(val_identities=2, num_pairs=20, seed=0), out, tmp_path / "split")
@@ -130,7 +138,7 @@ def test_update_generations_stable_labels_and_compact_equals_a_fresh_prepare(gro
     run(raw, fresh)
     assert not all((out / n).read_bytes() == (fresh / n).read_bytes() for n in CANONICAL)
     report = compact.run(out, progress=False)
-    assert report["dropped_records"] == 5 and report["relabel"]["0"] is None
+    assert report["dropped_records"] == 7 and report["relabel"]["0"] is None
     for name in CANONICAL:
         assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
     assert files_of(out / "shards") == files_of(fresh / "shards")
@@ -143,7 +151,7 @@ def test_an_unchanged_raw_updates_without_reading_a_file(tmp_path, monkeypatch):
     run(raw, out)
     before = files_of(out)
     report = run(raw, out, update=True)  # the in-process submit would read; nothing may be submitted
-    assert report["files"] == {"reused": 10, "processed": 0, "removed": 0} and report["generation"] == 1
+    assert report["files"] == {"reused": 11, "processed": 0, "removed": 0} and report["generation"] == 1
     after = files_of(out)
     assert all(after[name] == data for name, data in before.items() if name.startswith("shards/"))
     assert after["labels.json"] == before["labels.json"] and after["rejects.jsonl"] == before["rejects.jsonl"]
@@ -154,7 +162,7 @@ def test_update_on_a_missing_or_empty_out_is_a_full_prepare(tmp_path):
     write(raw, V1)
     (tmp_path / "empty").mkdir()
     for out in (tmp_path / "missing", tmp_path / "empty"):
-        assert run(raw, out, update=True)["files"]["processed"] == 10
+        assert run(raw, out, update=True)["files"]["processed"] == 11
 
 
 def test_update_refuses_a_foreign_folder_and_changed_params(tmp_path):
@@ -218,7 +226,7 @@ def test_an_update_killed_leaves_the_previous_generation_and_a_rerun_completes_i
     assert files_of(out) == before  # the previous generation, intact
     assert any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir())  # the killed run's leftover
     report = run(raw, out, update=True)
-    assert report["files"] == {"reused": 10, "processed": 12, "removed": 0}
+    assert report["files"] == {"reused": 11, "processed": 12, "removed": 0}
     check_accounting(out)
     assert not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
 
@@ -264,7 +272,7 @@ def test_cli_update_summary_refusal_and_compact(tmp_path, capsys):
     params.write_text("prepare:\n" + "".join(f"  {k}: {v}\n" for k, v in PARAMS.model_dump().items() if v is not None))
     run(raw, out)
     assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 0  # nothing to read: no cluster
-    assert "generation 1: reused 10, processed 0, removed 0 file(s)" in capsys.readouterr().out
+    assert "generation 1: reused 11, processed 0, removed 0 file(s)" in capsys.readouterr().out
     params.write_text(params.read_text().replace("image_size: 112", "image_size: 96"))
     assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 2
     err = capsys.readouterr().err.strip()
