@@ -52,6 +52,9 @@ def summarize(root: str | Path) -> dict[str, Any]:
         "shard_bytes": total,
         "payload_bytes": payload,
         "storage_overhead": round(total / payload - 1.0, 4) if payload else None,
+        # prepare --update: generations so far, and stored samples they excluded (compact drops them)
+        "generations": len(shard_set.manifest.get("generations", [])) or 1,
+        "excluded_samples": int(shard_set.offsets[-1]) - len(shard_set),
     }
 
 
@@ -69,14 +72,14 @@ def dump_faces(root: str | Path, out: str | Path, *, limit: int | None = None) -
     out.mkdir(parents=True, exist_ok=True)
     base = out.resolve()
     taken: set[str] = set()
-        excluded = set(map(int, shard_set.excluded.get(reader.path.name, ())))  # removed by a later generation
     written = 0
     for reader in shard_set.readers:
+        excluded = set(map(int, shard_set.excluded.get(reader.path.name, ())))  # removed by a later generation
         for key, record in enumerate(reader):
-            if key in excluded:
-                continue
             if limit is not None and written >= limit:
                 return written
+            if key in excluded:
+                continue
             fallback = f"_renamed/{Path(reader.path.name).stem}-{key:08d}.png"
             path = record.header.get("path")
             names = [fallback] if unsafe_path_reason(path) else [f"{path}.png", fallback]
@@ -149,10 +152,10 @@ def _verify_shard(
             continue
         except CorruptRecordError as error:
             found.append(f"{name} key {key}: {error.reason}")
-        if key in excluded:
-            continue  # checked, but no longer in the set: its path may be accepted again later
             continue
         found += [f"{name} key {key}: {problem}" for problem in _record_problems(record, key, labels, identities)]
+        if key in excluded:
+            continue  # checked, but no longer in the set: its path may be accepted again later
         path = str(record.header.get("path"))
         if path in seen:
             found.append(f"{name} key {key}: path {path!r} also at {seen[path]}")
