@@ -3,7 +3,9 @@
     python tests/train_probe.py [--kill-after-checkpoint K] [--dump-params DIR] -- train PREPARED OUT ...
 
 ``--kill-after-checkpoint K``: SIGKILL this process right after the first checkpoint of a step >= K
-is in place (a real kill in the middle of training, not a clean exit).
+is in place (a real kill in the middle of training, not a clean exit). ``--kill-rank R`` (default 0):
+only the process of that rank dies (one that writes nothing waits until rank 0's file is in place).
+Under torchrun only the first attempt dies, so a group that ``--max-restarts`` restarts runs on.
 ``--dump-params DIR``: after training, every rank saves its parameters to DIR/rank-R.pt, so that a
 test can compare the ranks of a torchrun job.
 """
@@ -14,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -21,19 +24,24 @@ import torch
 import facepipe.stages.train as train_stage
 import facepipe.training.trainer as trainer_module
 from facepipe.cli import main
+from facepipe.training.checkpoint import checkpoint_name
 
 
-def kill_after(step: int) -> None:
-    original = trainer_module.save_checkpoint
+def kill_after(step: int, *, rank: int = 0) -> None:
+    original = trainer_module.Trainer._save
 
-    def save_then_die(directory, state, *, step: int, keep: int):  # type: ignore[no-untyped-def]
-        path = original(directory, state, step=step, keep=keep)
-        if step >= kill_step:
+    def save_then_die(self, options):  # type: ignore[no-untyped-def]
+        saved = original(self, options)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if saved >= step and self.context.rank == rank and first_attempt:
+            written = options.out / checkpoint_name(saved)
+            deadline = time.monotonic() + 60
+            while not written.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
-        return path
+        return saved
 
-    kill_step = step
-    trainer_module.save_checkpoint = save_then_die
+    trainer_module.Trainer._save = save_then_die
 
 
 def dump_params(directory: Path) -> list:
@@ -51,11 +59,12 @@ def dump_params(directory: Path) -> list:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--kill-after-checkpoint", type=int, default=None)
+    parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--dump-params", type=Path, default=None)
     args, rest = parser.parse_known_args()
     rest = rest[1:] if rest[:1] == ["--"] else rest
     if args.kill_after_checkpoint is not None:
-        kill_after(args.kill_after_checkpoint)
+        kill_after(args.kill_after_checkpoint, rank=args.kill_rank)
     models = dump_params(args.dump_params) if args.dump_params else []
     code = main(rest)
     if args.dump_params and models:

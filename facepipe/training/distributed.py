@@ -56,9 +56,27 @@ def init_distributed(preference: DeviceChoice = "auto") -> Distributed:
         torch.cuda.set_device(device)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=_attempt_store(),
+            rank=rank,
+            world_size=world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
         log.info("joined process group: %d processes, backend %s", world_size, backend)
     return Distributed(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def _attempt_store() -> dist.Store:
+    """The rendezvous store of ``env://`` (torchrun's), with keys private to this restart attempt.
+
+    torchrun keeps one store for the whole job: when ``--max-restarts`` restarts the group, the killed
+    attempt's keys (every rank's address) are still there, and a rank that starts before a slower one
+    connects to the dead process's address ("Gloo connectFullMesh failed ... Connection refused").
+    torchrun numbers the attempts in TORCHELASTIC_RESTART_COUNT.
+    """
+    store, _, _ = next(dist.rendezvous("env://"))
+    return dist.PrefixStore(f"facepipe-attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
 
 
 def shutdown(context: Distributed) -> None:
