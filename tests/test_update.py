@@ -20,7 +20,7 @@ from facepipe.data.dataset import FaceDataset
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
 from facepipe.stages import compact, export_rec, prepare, split
-from facepipe.stages.inspect import verify
+from facepipe.stages.inspect import summarize, verify
 from rawdata import jpeg_bytes
 
 PARAMS = PrepareParams(detector="none", samples_per_shard=3, chunk_size=4, max_pixels=1_000_000)
@@ -134,6 +134,8 @@ def test_update_generations_stable_labels_and_compact_equals_a_fresh_prepare(gro
     summary = split.run(SplitParams(val_identities=2, num_pairs=20, seed=0), out, tmp_path / "split")
     assert summary["prepared"] == {"num_identities": 5, "num_samples": 10}
     assert export_rec.run(out, tmp_path / "rec", progress=False)["num_images"] == 10
+    assert {k: summarize(out)[k] for k in ("samples", "generations", "excluded_samples")} == {
+        "samples": 10, "generations": 3, "excluded_samples": 7}
     fresh = tmp_path / "fresh"
     run(raw, fresh)
     assert not all((out / n).read_bytes() == (fresh / n).read_bytes() for n in CANONICAL)
