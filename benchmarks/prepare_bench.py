@@ -112,6 +112,37 @@ def _sets(work: Path, args: argparse.Namespace) -> dict[str, Path]:
     return sets
 
 
+def cuda_rows(sets: dict[str, Path], params: PrepareParams, repeats: int) -> None:
+    """Detector-only images/s of batched RetinaFace in PyTorch on CUDA (prepare's CUDA path), chunks of
+    ``params.chunk_size`` decoded photos; a line saying so when there is no CUDA device."""
+    import torch
+
+    from facepipe.detection import create_detector
+
+    if not torch.cuda.is_available():
+        print("\nno CUDA device: the CUDA row (batched PyTorch RetinaFace, prepare's path on a GPU) was not run")
+        return
+    detector = create_detector("retinaface", min_face_size=params.min_face_size, detect_size=params.detect_size, device="cuda")
+    print(f"\nCUDA ({torch.cuda.get_device_name()}), runtime {detector.runtime}, detector only, batches of {params.chunk_size}:")
+    for set_name, raw in sets.items():
+        images = []
+        for item in scan_raw(raw):
+            try:
+                images.append(load_image((raw / item.path).read_bytes(), max_pixels=params.max_pixels))
+            except (Reject, OSError):
+                continue
+        chunks = [images[i : i + params.chunk_size] for i in range(0, len(images), params.chunk_size)]
+        detector.detect(chunks[0])  # warm-up: cuDNN picks its kernels
+        rates = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for chunk in chunks:
+                detector.detect(chunk)  # returns numpy results: synchronised per chunk
+            rates.append(len(images) / (time.perf_counter() - start))
+        print(f"| {set_name}: retinaface on CUDA, batched | {statistics.median(rates):.1f} images/s |")
+
+
 def _table(runs: dict[str, list[float]], rates: dict[str, list[float]]) -> None:
     """Markdown rows of medians; ratios against the set's plain loop (if run) and its MTCNN 2-worker row."""
     print("| run | wall s (whole command) | images/s (processing) | vs plain loop | vs MTCNN, same workers |")
@@ -138,6 +169,7 @@ def main() -> None:
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--detectors", default="mtcnn,retinaface", help="comma-separated prepare.detector values")
     parser.add_argument("--large", type=int, default=0, help="also run on N large multi-face photos")
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts of the CLI rows (the flow row: 2)")
     args = parser.parse_args()
 
     work = args.out or Path(tempfile.mkdtemp(prefix="facepipe-bench-"))
@@ -162,7 +194,7 @@ def main() -> None:
             if not args.skip_loop:
                 seconds, _ = plain_loop(raw, params)
                 record(f"{set_name}: plain MTCNN loop", seconds, counts[set_name] / seconds)
-            for workers in (1, 2):
+            for workers in map(int, args.workers.split(",")):
                 for detector in detectors:
                     wall, report = facepipe_cli(raw, work / "cli", workers, params_files[detector])
                     record(f"{set_name}: facepipe prepare {detector}, {workers} worker(s)", wall, report["images_per_s"])
@@ -175,6 +207,12 @@ def main() -> None:
     print(f"\n{sizes}; {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}; medians of {args.repeats} interleaved runs\n")
     _table(runs, rates)
+    flow = rates.get(f"sample: Prefect flow {detectors[0]}, 2 workers")
+    cli = rates.get(f"sample: facepipe prepare {detectors[0]}, 2 worker(s)")
+    if flow and cli:
+        print(f"\nPrefect flow / CLI, 2 workers, images/s: {statistics.median(flow) / statistics.median(cli):.2f}x")
+    if "retinaface" in detectors:
+        cuda_rows(sets, params, args.repeats)
     if args.json:
         args.json.write_text(json.dumps({"runs_s": runs, "images_per_s": rates, "n_images": counts}, indent=2))
     if args.out is None:

@@ -17,9 +17,9 @@ import torch
 
 from facepipe.alignment import template
 from facepipe.cli import main
-from facepipe.config import PrepareParams
+from facepipe.config import PrepareParams, SampleDataParams
 from facepipe.data.decode import Reject, load_image
-from facepipe.detection import MTCNNDetector, weights
+from facepipe.detection import create_detector, weights
 from facepipe.detection.retinaface import MIN_FACE_INPUT, OnnxRetinaFace, RetinaFaceDetector, decode, onnx_model, priors
 from facepipe.detection.retinaface_net import BGR_MEAN, RetinaFace, load_checkpoint, load_onnx
 from facepipe.errors import FacepipeError
@@ -279,32 +279,66 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
 
 
-def test_finds_the_faces_mtcnn_finds_with_the_same_eyes(detector, sample_raw):
-    """On real photos (shipped photos, sample-data photos, a group photo): IoU >= 0.5 with >= 95% of
-    MTCNN's faces at score >= 0.95. Eyes: within 5% of the face size for the typical face (median
-    ~3-3.5%), not for every one (up to ~7.5%, and ~29% for a face seen at 17 px). The difference is
-    not a systematic offset: on 30 photos the mean signed eye offset is <= 1.4% of the face size
-    against a spread of ~2% per coordinate; facepipe's decoding equals biubug6's reference decoding
-    of the onnxruntime outputs; and detecting at 1/2 or 1/3 scale moves the landmarks by less than
-    a pixel on average (no half-pixel error in mapping back). It is two networks' landmark noise."""
-    mtcnn = MTCNNDetector(min_face_size=40, device="cpu")
+def test_finds_the_faces_mtcnn_finds_with_the_same_eyes(sample_raw):
+    """On real photos (shipped photos, sample-data photos, a group photo), with prepare's detectors:
+    IoU >= 0.5 with >= 95% of MTCNN's faces at score >= 0.95.
+
+    Eyes, on the faces both detectors are sure of (score >= 0.95 each; all are >= 40 px): within 5%
+    of the face size of MTCNN's for the typical face (median ~2.6%) and for >= 3/4 of them, never
+    beyond 8%. Not for every face: on 160 sample photos 16 of 159 differ by > 5%, the worst by 18.6%
+    (MTCNN's eye on a glasses frame), and against the photos' true landmarks RetinaFace is the closer
+    one in 8 of those 16; the mean signed difference is <= 1.6% of the face size against a spread of
+    2-2.5% per coordinate. It is two networks' landmark noise, not an offset to correct (the test
+    below holds both to the true landmarks). A face RetinaFace scores 0.67 (seen at 11 px) differs
+    by ~29%; it is not among the sure faces."""
+    retina = create_detector("retinaface", min_face_size=40, device="cpu")
+    mtcnn = create_detector("mtcnn", min_face_size=40, device="cpu")
     pics = real_photos(sample_raw) | {"group": group_photo()}
     matched, total, eye_errors = 0, 0, []
-    for name, image in pics.items():
-        ours = detector.detect([image])[0]
+    for image in pics.values():
+        ours = retina.detect([image])[0]
         for face in (f for f in mtcnn.detect([image])[0] if f.score >= 0.95):
             total += 1
             best = max(ours, key=lambda f: iou(f.box, face.box), default=None)
             if best is None or iou(best.box, face.box) < 0.5:
                 continue
             matched += 1
-            seen_at = face.size * min(1.0, detector.detect_size / max(image.shape[:2]))  # px in the detector's input
-            eye_errors.append((np.abs(best.landmarks[:2] - face.landmarks[:2]).max() / face.size, seen_at))
+            if best.score >= 0.95 and face.size >= 40:
+                eye_errors.append(np.abs(best.landmarks[:2] - face.landmarks[:2]).max() / face.size)
     assert total >= 12
     assert matched >= 0.95 * total, (matched, total)
-    errors = np.array([error for error, _ in eye_errors])
-    assert np.median(errors) < 0.05, errors
-    assert max(error for error, seen_at in eye_errors if seen_at >= 24) < 0.08, eye_errors
+    errors = np.array(eye_errors)
+    assert len(errors) >= matched - 1
+    assert np.median(errors) < 0.05 and np.mean(errors <= 0.05) >= 0.75 and errors.max() < 0.08, errors.round(3)
+
+
+@pytest.mark.slow  # renders 24 sample photos (~5-20 s here)
+def test_eyes_as_close_to_the_true_landmarks_as_mtcnn(tmp_path):
+    """The sample photos are rendered with known landmarks (transported from the two base photos,
+    where MTCNN measured them once, so the truth leans towards MTCNN's convention). With prepare's
+    gates and face selection: RetinaFace accepts every photo MTCNN accepts, and its eyes are as close
+    to the truth as MTCNN's, to within 3% of the true eye distance at the median (measured on 160
+    photos: RetinaFace 8.8%, MTCNN 8.5%; here ~8.7% and ~7.1%)."""
+    from facepipe.data import extract
+    from facepipe.data.sample import make_sample_dataset
+
+    report = make_sample_dataset(tmp_path / "raw", SampleDataParams(identities=6, images_per_identity=4, seed=0, bad_files=False))
+    params = PrepareParams()
+    medians, accepted = {}, {}
+    for name in ("mtcnn", "retinaface"):
+        detector = create_detector(name, min_face_size=params.min_face_size, device="cpu")
+        errors = []
+        for item in report.images:
+            image = load_image((report.out / item.path).read_bytes(), max_pixels=10**8)
+            try:
+                face = extract._gate(detector.detect([image])[0], params, image.shape)
+            except Reject:
+                continue
+            eye_distance = np.linalg.norm(item.landmarks[1] - item.landmarks[0])
+            errors.append(np.linalg.norm(face.landmarks[:2] - item.landmarks[:2], axis=1).max() / eye_distance)
+        medians[name], accepted[name] = float(np.median(errors)), len(errors)
+    assert accepted["retinaface"] >= accepted["mtcnn"] >= len(report.images) - 1, accepted
+    assert medians["retinaface"] <= medians["mtcnn"] + 0.03 and medians["retinaface"] < 0.12, medians
 
 
 # -- prepare with detector: retinaface ---------------------------------------------------------------
@@ -335,23 +369,30 @@ def test_prepare_with_retinaface_gives_a_normal_shard_set(retina_prepared):
     assert verify(out) == []
 
 
+def template_eye_errors(crops: list[np.ndarray]) -> list[float]:
+    """Per [112, 112, 3] crop: px between the ArcFace template's eyes and the eyes facenet-pytorch's
+    MTCNN finds in it (an independent detector, on a grey margin so it sees the whole head)."""
+    from facenet_pytorch import MTCNN
+
+    reference = MTCNN(keep_all=True, min_face_size=40, device="cpu")
+    errors = []
+    for crop in crops:
+        canvas = np.full((224, 224, 3), 128, np.uint8)
+        canvas[56:168, 56:168] = crop
+        boxes, _, landmarks = reference.detect(canvas, landmarks=True)
+        assert boxes is not None
+        eyes = np.asarray(landmarks, dtype=np.float32)[0][:2] - 56
+        errors.append(float(np.abs(eyes - template(112)[:2]).max()))
+    return errors
+
+
 @pytest.mark.multiprocess
 def test_retinaface_aligned_eyes_land_on_the_template(retina_prepared):
     """The check the MTCNN path passes: facenet-pytorch's MTCNN re-detects the aligned faces and finds
     the eyes on the ArcFace template."""
-    from facenet_pytorch import MTCNN
-
     *_, out, _ = retina_prepared
-    reference = MTCNN(keep_all=True, min_face_size=40, device="cpu")
     shard_set = ShardSet(out)
-    errors = []
-    for index in range(len(shard_set)):
-        canvas = np.full((224, 224, 3), 128, np.uint8)
-        canvas[56:168, 56:168] = shard_set.record(index).image()
-        boxes, _, landmarks = reference.detect(canvas, landmarks=True)
-        assert boxes is not None, shard_set.record(index).path
-        eyes = np.asarray(landmarks, dtype=np.float32)[0][:2] - 56
-        errors.append(np.abs(eyes - template(112)[:2]).max())
+    errors = template_eye_errors([shard_set.record(index).image() for index in range(len(shard_set))])
     assert len(errors) == 7
     assert np.median(errors) < 3.0 and max(errors) < 5.0, errors
 
@@ -405,3 +446,55 @@ def test_weights_given_by_path_are_recorded_by_name_and_hash(tmp_path, retinafac
         k: v for k, v in params.model_dump().items() if k != "detector_weights"
     }
     assert _manifest_params(RETINA_PARAMS) == RETINA_PARAMS.model_dump()  # the cached weights: nothing to record
+
+
+# -- large photos: reduced decoding for detection -----------------------------------------------------
+
+
+def large_photos(root: Path) -> list[str]:
+    """Two 4.7-6.4 MP JPEGs: the group photo at 2x (five faces, the largest ~320 px) and a 2600 x 1800
+    smooth background holding one ~110-px face (too small to align from a reduced decode)."""
+    group = group_photo()
+    big = cv2.resize(group, (3200, 2000), interpolation=cv2.INTER_CUBIC)
+    lone = cv2.resize(group[:40, :60], (2600, 1800), interpolation=cv2.INTER_CUBIC)
+    lone[700:1060, 1100:1406] = group[450:810, 1000:1306]  # hopper_small at 1.5x, as in the group photo
+    save(big, root / "a" / "group.jpg", quality=95)
+    save(lone, root / "b" / "lone.jpg", quality=95)
+    return ["a/group.jpg", "b/lone.jpg"]
+
+
+@pytest.mark.parametrize("name", ["retinaface", "mtcnn"])
+def test_large_jpegs_are_detected_reduced_and_aligned_at_full_detail(retinaface_onnx, tmp_path, monkeypatch, name):
+    """JPEGs of 2600-3200 px are decoded at 1/4 scale (>= detect_size 640 px) for detection; the
+    ~320-px face is aligned from a 1/2-scale decode (the face there still larger than in the 112
+    crop), the lone ~110-px face from the full-resolution image. Same faces and decisions as decoding
+    everything at full resolution, and the crops of both paths have their eyes on the template."""
+    from facepipe.data import decode, extract
+
+    paths = large_photos(tmp_path)
+    params = PrepareParams(detector=name)
+    seen: list[int] = []
+    reduced_load = decode.load_image_reduced
+
+    def spy(data, *, max_pixels, longest):
+        out = reduced_load(data, max_pixels=max_pixels, longest=longest)
+        seen.append(out.reduction)
+        return out
+
+    monkeypatch.setattr(extract, "load_image_reduced", spy)
+    reduced = extract.process_chunk(paths, str(tmp_path), params, "cpu")
+    # detection at 1/4 for both; the ~320-px face is near the 1/4 boundary (the 112 crop holds ~80 px
+    # of it): aligned from the 1/4 decode (MTCNN's landmarks) or a 1/2 one (RetinaFace's); the lone
+    # face from a full-resolution decode
+    assert seen == {"mtcnn": [4, 4, 1], "retinaface": [4, 4, 2, 1]}[name]
+    monkeypatch.setattr(extract, "load_image_reduced", lambda data, *, max_pixels, longest: reduced_load(data, max_pixels=max_pixels, longest=None))
+    full = extract.process_chunk(paths, str(tmp_path), params, "cpu")
+    for a, b in zip(reduced, full):
+        assert a.accepted and b.accepted, (a.reason, b.reason)
+        assert a.header["source_size"] == b.header["source_size"]
+        assert iou(np.array(a.header["box"]), np.array(b.header["box"])) > 0.7, a.path  # the same face
+    # Landmarks differ by the detectors' own noise on a face seen at ~27 px (up to ~5 crop px for MTCNN,
+    # ~3.6 for RetinaFace): both paths' crops pass the eyes-on-template check.
+    for outcomes in (reduced, full):
+        errors = template_eye_errors([load_image(o.payload, max_pixels=10**6) for o in outcomes])
+        assert max(errors) < 5.0, errors

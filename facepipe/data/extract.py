@@ -22,7 +22,7 @@ import numpy as np
 
 from facepipe.alignment import align_face, template, umeyama
 from facepipe.config import PrepareParams
-from facepipe.data.decode import Decoded, Reject, header_pixels, load_image, load_image_reduced, max_file_bytes
+from facepipe.data.decode import Decoded, Reject, header_pixels, load_image_reduced, max_file_bytes
 from facepipe.data.scan import FileTooLarge, ScanItem, read_raw_file
 from facepipe.detection import Detector, Face, create_detector, select_face
 from facepipe.io.records import encode_image
@@ -80,18 +80,21 @@ def _gate(faces: list[Face], params: PrepareParams, shape: tuple[int, ...]) -> F
 
 
 def _alignment_source(decoded: Decoded, data: bytes | None, face: Face, params: PrepareParams) -> tuple[np.ndarray, np.ndarray]:
-    """The image to align from and ``face``'s [5, 2] landmarks in its pixels: a reduced decode when the
-    face there is at least as large as in the aligned crop (the warp then only shrinks it, as it would
-    the full-resolution face), else the full-resolution image, decoded again from ``data``."""
-    reduction = decoded.reduction
-    if reduction == 1:
+    """The image to align from and ``face``'s [5, 2] landmarks in its pixels: the least-reduced decode
+    (1/1 .. 1/8) in which the face is at least as large as in the aligned crop, so the warp only
+    shrinks it, as it would the full-resolution face: the detector's decode when that is enough, else
+    one decoded again from ``data`` at the reduction needed (full resolution for small faces)."""
+    if decoded.reduction == 1:
         return decoded.image, face.landmarks
-    reduced = face.landmarks / reduction
-    matrix = umeyama(reduced, template(params.image_size))
-    if np.sqrt(abs(np.linalg.det(matrix[:, :2]))) <= 1.0:
-        return decoded.image, reduced
+    matrix = umeyama(face.landmarks, template(params.image_size))
+    crop_per_pixel = float(np.sqrt(abs(np.linalg.det(matrix[:, :2]))))  # crop px per full-resolution px
+    needed = max((r for r in (8, 4, 2, 1) if r * crop_per_pixel <= 1.0), default=1)
+    if needed >= decoded.reduction:
+        return decoded.image, face.landmarks / decoded.reduction
     assert data is not None  # process_chunk keeps the bytes of every reduced decode
-    return load_image(data, max_pixels=params.max_pixels), face.landmarks
+    longest = -(-max(decoded.size) // needed)  # load_image_reduced then picks exactly 1/needed
+    again = load_image_reduced(data, max_pixels=params.max_pixels, longest=longest if needed > 1 else None)
+    return again.image, face.landmarks / again.reduction
 
 
 def _accept(path: str, sha: str, decoded: Decoded, data: bytes | None, face: Face, params: PrepareParams) -> Outcome:
