@@ -156,6 +156,11 @@ def test_the_disagreement_names_what_differs_for_each_group_of_ranks() -> None:
     same = {"resumes from": "step-00000004.pt (step 4, sha256 00ff)", "samples": "48"}
     assert disagreement([same, dict(same), dict(same)]) is None
     other = {**same, "resumes from": "cannot use it: checkpoint unreadable: model/checkpoints/step-00000004.pt"}
+    assert disagreement([same, dict(same), dict(same), other]) == (  # the last of many ranks counts too
+        "processes disagree on how to resume (resumes from): ranks 0,1,2: resumes from step-00000004.pt "
+        "(step 4, sha256 00ff); rank 3: resumes from cannot use it: checkpoint unreadable: "
+        "model/checkpoints/step-00000004.pt"
+    )
     message = disagreement([same, other, dict(same), dict(other)])
     assert message == (
         "processes disagree on how to resume (resumes from): "
