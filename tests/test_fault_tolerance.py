@@ -1,5 +1,6 @@
 """Faults in the middle of work: a truncated checkpoint, a training process killed under
-``torchrun --max-restarts``, a Dask worker killed during ``prepare --scheduler-address``."""
+``torchrun --max-restarts`` (and a rank that restarts late), a Dask worker killed during
+``prepare --scheduler-address``."""
 
 from __future__ import annotations
 
@@ -17,9 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import PROBE, TORCHRUN, linear_model, load_weights, run_process, synthetic_set, tiny_params, write_params
-
 from rawdata import TEST_PARAMS, make_faces_raw
+from train_helpers import (
+    PROBE,
+    TORCHRUN,
+    linear_model,
+    load_weights,
+    run_process,
+    synthetic_set,
+    tiny_params,
+    write_params,
+)
 
 from facepipe.config import PrepareParams
 from facepipe.stages import prepare
