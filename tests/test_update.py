@@ -294,3 +294,30 @@ def test_the_pipeline_flow_metrics_show_the_files_reused_processed_removed(tmp_p
         {"file": "data/prepared/report.json", "metric": f"files.{k}", "value": v}
         for k, v in (("processed", 1), ("removed", 2), ("reused", 9))
     ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_prefect_prepare_flow_updates_and_its_artifact_counts_the_files(tmp_path):
+    """The flow's in-process task runner on a temporary Prefect server: --update as the DVC stage runs it."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.testing.utilities import prefect_test_harness
+
+    import flows.prepare as flow_module
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    params = tmp_path / "params.yaml"
+    params.write_text("prepare:\n" + "".join(f"  {k}: {v}\n" for k, v in PARAMS.model_dump().items() if v is not None))
+    run(raw, out)
+    write(raw, {"id5/0.jpg": face(5000)})
+    with prefect_test_harness(server_startup_timeout=180):
+        report = flow_module.prepare_flow(str(raw), str(out), params_file=str(params), workers=1, device="cpu", update=True)
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["prepare-report"])))
+    assert report["files"] == {"reused": 11, "processed": 1, "removed": 0}
+    rows = json.loads(artifacts[0].data) if isinstance(artifacts[0].data, str) else artifacts[0].data
+    assert {r["measure"]: r["value"] for r in rows if r["measure"].startswith("files")} == {
+        "files reused": 11, "files processed": 1, "files removed": 0}
+    check_accounting(out)
