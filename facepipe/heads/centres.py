@@ -30,13 +30,14 @@ def init_centres(start: int, count: int, *, embedding_size: int, seed: int) -> t
     """
     if start < 0 or count < 0:
         raise ValueError(f"class range must be non-negative, got start {start}, count {count}")
-    parts = []
+    # drawn into place block by block: the peak is the result plus one block, not twice the result
+    centres = torch.empty(count, embedding_size)
     end = start + count
     for block in range(start // BLOCK, -(-end // BLOCK)):
         first = block * BLOCK
         # always the whole block: torch's normal sampler fills in chunks, so a shorter draw from the
         # same generator is not a prefix of the longer one
         drawn = torch.randn(BLOCK, embedding_size, generator=_block_generator(seed, block))
-        parts.append(drawn[max(start - first, 0) : min(end, first + BLOCK) - first])
-    centres = torch.cat(parts) if parts else torch.empty(0, embedding_size)
+        lo, hi = max(start, first), min(end, first + BLOCK)
+        centres[lo - start : hi - start] = drawn[lo - first : hi - first]
     return centres.mul_(INIT_STD)
