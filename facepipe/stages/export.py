@@ -12,14 +12,13 @@ tolerance fails the stage, and then nothing is written.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from facepipe.config import ExportParams, load_section
+from facepipe.config import ExportParams
 from facepipe.errors import FacepipeError
 from facepipe.exporting import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
@@ -111,21 +110,3 @@ def summary_line(report: dict[str, Any]) -> str:
         f"{fmt} {entry['file']} (max |diff| {entry['max_abs_diff']:.3g})" for fmt, entry in report["files"].items()
     )
     return f"export: {report['model']['backbone']} -> {parts}"
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from facepipe.cli import add_params_argument
-
-    parser = subparsers.add_parser(
-        "export", help="ONNX / TorchScript files of a trained backbone, checked against PyTorch"
-    )
-    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
-    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
-    add_params_argument(parser)
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    params = load_section(args.params, "export")
-    print(summary_line(run(params, args.model, args.out)))
-    return 0

@@ -14,7 +14,6 @@ which marks the folder as facepipe's so that a later run may replace it:
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +79,3 @@ def _write_images(writer: RecordIOWriter, shard_set: ShardSet, order: np.ndarray
             record = shard_set.record(index)
             writer.write(key, pack(IRHeader(0, float(record.label), key), record.payload))
             bar.update(1)
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "export-rec", help="shard set -> insightface train.rec/train.idx/property.txt (arcface_torch's MXFaceDataset)"
-    )
-    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set to export")
-    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    summary = run(args.prepared, args.out)
-    print(
-        f"export-rec: {summary['num_images']} images of {summary['num_identities']} identities"
-        f" ({summary['image_size']}x{summary['image_size']}) -> {args.out / 'train.rec'}"
-    )
-    return 0

@@ -9,11 +9,10 @@ accounting, Dask workers, atomic output). Both read the ``prepare`` section of t
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
-from facepipe.config import PrepareParams, load_section
+from facepipe.config import PrepareParams
 from facepipe.errors import FacepipeError
 from facepipe.stages import import_rec, prepare
 
@@ -35,25 +34,3 @@ def run(
         raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
     aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
     return prepare.run(aligned, source, out, workers=workers, progress=progress, **prepare_options)
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from facepipe.cli import add_params_argument
-
-    parser = subparsers.add_parser(
-        "import", help="insightface train.rec/.idx pack or folder of aligned faces -> shard set (no detection)"
-    )
-    parser.add_argument("source", type=Path, metavar="SOURCE", help="a .rec file, a folder with train.rec, or identity/image folders of aligned faces")
-    parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
-    add_params_argument(parser)
-    parser.add_argument("--workers", type=int, default=None, metavar="N", help="local worker processes (default: one per core; 1: packs are read in this process)")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.workers is not None and args.workers < 1:
-        raise FacepipeError(f"--workers must be >= 1, got {args.workers}")
-    params = load_section(args.params, "prepare")
-    report = run(params, args.source, args.out, workers=args.workers)
-    print(prepare.summary_line(report).replace("prepare:", "import:", 1))
-    return 0

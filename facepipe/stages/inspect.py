@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 from collections import Counter
@@ -13,7 +12,6 @@ from PIL import Image
 
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
-from facepipe.io.atomic import OutputKind, check_output
 from facepipe.io.manifest import metadata_problems
 from facepipe.io.records import Record, decode_image, unsafe_path_reason
 from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file
@@ -207,64 +205,3 @@ def _verify_rejects(path: Path, manifest: dict[str, Any], *, seen: dict[str, str
     if recorded is not None and recorded != dict(reasons):
         problems.append("manifest rejected_by_reason differs from the reasons in rejects.jsonl")
     return problems
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    inspect = subparsers.add_parser("inspect", help="summary of a shard set; --dump writes faces as PNG")
-    inspect.add_argument("root", type=Path, metavar="PREPARED")
-    inspect.add_argument("--dump", type=Path, metavar="DIR", help="write aligned faces as PNG files here")
-    inspect.add_argument("--limit", type=int, default=None, metavar="N", help="with --dump: at most N faces")
-    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
-    inspect.add_argument("--html", type=Path, metavar="FILE", help="write the data-quality report (one self-contained HTML page)")
-    inspect.add_argument("--raw", type=Path, metavar="RAW", help="with --html: the set's source folder, for thumbnails of rejected files")
-    inspect.set_defaults(func=_inspect)
-    check = subparsers.add_parser("verify", help="re-check shard checksums and that every record decodes")
-    check.add_argument("root", type=Path, metavar="PREPARED")
-    check.set_defaults(func=_verify)
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    if args.html is not None:
-        from facepipe.quality import write_report
-
-        if args.raw is not None and not args.raw.is_dir():
-            raise FacepipeError(f"raw folder not found: {args.raw}")
-        print(f"wrote the data-quality report of {args.root} to {write_report(args.root, args.html, raw=args.raw)}")
-        return 0
-    if args.dump is not None:
-        if args.limit is not None and args.limit < 0:
-            raise FacepipeError("--limit must be >= 0")
-        # writes into DIR: only a folder of earlier dumps (PNG files only), never one holding the set
-        check_output(args.dump, kind=OutputKind("face dump", ("*.png",)), sources={"shard set": args.root})
-        count = dump_faces(args.root, args.dump, limit=args.limit)
-        print(f"wrote {count} faces under {args.dump}")
-        return 0
-    summary = summarize(args.root)
-    if args.json:
-        print(json.dumps(summary, indent=2, sort_keys=True))
-        return 0
-    counts = summary["counts"]
-    print(f"{args.root}: {summary['samples']} samples of {summary['identities']} identities "
-          f"({summary['samples_per_identity']['min']}-{summary['samples_per_identity']['max']} per identity)")
-    if counts:
-        print(f"  scanned {counts['scanned']}, accepted {counts['accepted']}, rejected {counts['rejected']}")
-    for reason, n in summary["rejected_by_reason"].items():
-        print(f"    {reason:<24} {n}")
-    image = summary["image"]
-    print(f"  faces {image['size']}x{image['size']} {image['encoding']}")
-    for shard in summary["shards"]:
-        print(f"  {shard['file']}  {shard['num_samples']:>8} samples  {shard['bytes'] / 1e6:9.2f} MB")
-    if summary["storage_overhead"] is not None:
-        print(f"  storage overhead over payload bytes: {100 * summary['storage_overhead']:.1f}%")
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    problems = verify(args.root)
-    for problem in problems:
-        print(f"{args.root}: {problem}")
-    if problems:
-        print(f"facepipe verify: {len(problems)} problem(s) found")
-        return 1
-    print(f"{args.root}: OK ({len(ShardSet(args.root))} samples, every checksum and record verified)")
-    return 0

@@ -13,14 +13,13 @@ Outputs (all deterministic for the same shard set and params)::
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from facepipe.config import SplitParams, load_section
+from facepipe.config import SplitParams
 from facepipe.errors import FacepipeError
 from facepipe.evaluation.pairs import Pair, choose_holdout, format_pairs_jsonl, sample_pairs
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
@@ -99,19 +98,3 @@ def summary_line(summary: dict[str, Any]) -> str:
         f"val {val['identities']} identities ({val['samples']} samples), "
         f"{pairs['total']} pairs ({pairs['same']} same, {pairs['different']} different)"
     )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from facepipe.cli import add_params_argument
-
-    parser = subparsers.add_parser("split", help="identity-disjoint train / validation split + verification pairs")
-    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set written by prepare")
-    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
-    add_params_argument(parser)
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    params = load_section(args.params, "split")
-    print(summary_line(run(params, args.prepared, args.out)))
-    return 0
