@@ -154,14 +154,17 @@ def reset_powersgd(state: Any) -> None:
 
 
 def average_buffers(module: nn.Module, context: Distributed) -> None:
-    """Replace every floating-point buffer of ``module`` (BatchNorm running mean and variance) by its
-    mean over ranks, in place; collective. Integer buffers (batch counters) agree on every rank.
+    """Replace the running mean and variance of every BatchNorm in ``module`` by their mean over ranks,
+    in place; collective. Batch counters agree on every rank; other buffers (CurricularFace's ``t``)
+    are the same on every rank by construction and are left alone.
 
     The running statistics are exponential averages, linear in the batch statistics, so averaging
     them at any point equals averaging every step's batch statistics over ranks: the same result
     whenever and however often this runs (up to rounding).
     """
-    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+    norms = [m for m in module.modules() if isinstance(m, kinds) and m.track_running_stats]
+    buffers = [b for m in norms for b in (m.running_mean, m.running_var) if b is not None]
     if not context.enabled or not buffers:
         return
     flat = torch.cat([b.detach().reshape(-1).double() for b in buffers])  # one collective, little rounding
