@@ -15,11 +15,9 @@ written again, atomically and model.json last, when it ends: never mixed between
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
@@ -33,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from facepipe.config import TrainParams, load_section
+from facepipe.config import TrainParams
 from facepipe.data.augment import Augmenter
 from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
 from facepipe.data.sampler import ShardOrderSampler
@@ -51,9 +49,11 @@ from facepipe.io.model_dir import (
     save_model_dir,
 )
 from facepipe.models import create_backbone
+from facepipe.parallel import loader_workers
 from facepipe.training.checkpoint import agreed_resume_point, remove_checkpoints
 from facepipe.training.distributed import (
     Distributed,
+    broadcast_object,
     init_distributed,
     powersgd_start,
     shutdown,
@@ -61,7 +61,8 @@ from facepipe.training.distributed import (
 from facepipe.training.metrics import TrainMetrics, draw_curves
 from facepipe.training.optimizer import build_optimizer
 from facepipe.training.schedule import Plan, build_scheduler, make_plan
-from facepipe.training.trainer import FaceModel, LoopOptions, Trainer
+from facepipe.training.memory import batch_limit, cached_batch_size, find_batch_size
+from facepipe.training.trainer import AMP_DTYPES, FaceModel, LoopOptions, Trainer
 
 log = logging.getLogger("facepipe.train")
 
@@ -235,10 +236,10 @@ def _train(
     started = time.perf_counter()
     _warn_single_process(params, context)
     dataset = _open_dataset(params, prepared, identities=identities)
+    model = _build_on_device(params, context, dataset=dataset, model_factory=model_factory)
+    params = _resolve_batch_size(params, model, context, dataset=dataset, checkpoints=out / CHECKPOINT_DIR, fresh=fresh)
     plan = make_plan(params, num_samples=len(dataset), world_size=context.world_size)
     _log_plan(dataset, plan)
-
-    model = _build_on_device(params, context, dataset=dataset, model_factory=model_factory)
     trainer = _make_trainer(model, params, plan, context)
     fingerprint = data_fingerprint(dataset)
     resumed_from = _resume(
@@ -288,6 +289,35 @@ def _open_dataset(params: TrainParams, prepared: Path, *, identities: IdentitySe
     return dataset
 
 
+def _resolve_batch_size(
+    params: TrainParams, model: FaceModel, context: Distributed, *, dataset: FaceDataset, checkpoints: Path, fresh: bool
+) -> TrainParams:
+    """``params`` with ``batch_size: auto`` made a number: the batch this run's checkpoints were written
+    with (a resumed run keeps it), else the largest that fits the device (trial steps, same on every
+    rank). The rate then scales with it like any batch. Other params come back unchanged."""
+    if params.batch_size != "auto":
+        return params
+    cached = cached_batch_size(checkpoints) if context.is_main and not fresh else None
+    found = broadcast_object(cached, context)
+    if found is None:
+        limit = batch_limit(
+            len(dataset), world_size=context.world_size, accum_steps=params.accum_steps, device=context.device
+        )
+        found = find_batch_size(
+            model,
+            lambda: build_optimizer(
+                [model], name=params.optimizer, lr=params.lr, momentum=params.momentum, weight_decay=params.weight_decay
+            ),
+            context=context,
+            image_size=dataset.image_size,
+            num_classes=dataset.num_classes,
+            limit=limit,
+            amp_dtype=AMP_DTYPES[params.amp],
+        )
+    log.info("batch_size auto: %d per process (%s)", found, "from the checkpoints" if cached else "largest that fits")
+    return params.model_copy(update={"batch_size": found})
+
+
 def _build_on_device(
     params: TrainParams, context: Distributed, *, dataset: FaceDataset, model_factory: ModelFactory
 ) -> FaceModel:
@@ -313,7 +343,8 @@ def _make_loader(
         buffer_size=params.shuffle_buffer,
         seed=params.seed,
     )
-    loader = make_loader(dataset, sampler, num_workers=params.num_workers, pin_memory=context.device.type == "cuda")
+    workers = loader_workers(params.num_workers, device_type=context.device.type)
+    loader = make_loader(dataset, sampler, num_workers=workers, pin_memory=context.device.type == "cuda")
     return sampler, loader
 
 
@@ -323,7 +354,7 @@ def _write_model(out: Path, model: FaceModel, *, spec: ModelSpec, context: Distr
         log.warning("skipped %d corrupt record reads (train.skip_corrupt_records); see the warnings above", skipped)
     if context.is_main:
         draw_curves(out)
-        save_model_dir(out, model.backbone, spec)
+        save_model_dir(out, model.backbone.cpu(), spec)  # CPU tensors: backbone.pt loads on any machine
         log.info("wrote %s and %s in %s", WEIGHTS_FILE, SPEC_FILE, out)
 
 
@@ -353,10 +384,12 @@ def _log_plan(dataset: FaceDataset, plan: Plan) -> None:
 
 def _configure_device(context: Distributed) -> None:
     if context.device.type == "cuda":
-        # Fixed input shapes: let cuDNN pick the fastest kernels; TF32 matmuls for amp=off.
+        # Fixed input shapes: let cuDNN pick the fastest kernels; TF32 convolutions for amp=off. Matmuls
+        # stay full float32: TF32 keeps 10 mantissa bits (relative error ~1e-3), and the head's cosines
+        # feed arccos, which near cos = 1 turns 1e-3 into 0.045 rad, a tenth of ArcFace's margin.
         torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def _loop_options(
@@ -367,7 +400,7 @@ def _loop_options(
         out=out / CHECKPOINT_DIR,
         checkpoint_every=params.checkpoint_every,
         keep_checkpoints=params.keep_checkpoints,
-        log_every=params.log_every,
+        log_every=None if params.log_every == "auto" else params.log_every,  # None: from the run's length
         max_steps=max_steps,
         checkpoint_extra={
             "config": params.model_dump(mode="json"),
@@ -400,6 +433,7 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
         grad_clip=params.grad_clip,
         comm_hook=params.comm_hook,
         powersgd_rank=params.powersgd_rank,
+        channels_last=params.channels_last,
         powersgd_start_iter=powersgd_start(
             params.powersgd_start_iter, total_steps=plan.total_steps, warmup_steps=plan.warmup_steps
         ),
@@ -438,38 +472,3 @@ def summary_line(report: TrainReport) -> str:
         f"samples of {report.num_classes} identities with {report.world_size} process(es): loss {loss}, "
         f"{report.samples_per_s:.1f} samples/s -> {report.out}"
     )
-
-
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from facepipe.cli import add_params_argument
-
-    parser = subparsers.add_parser(
-        "train", help="train a backbone + margin head on a shard set (torchrun ... -m facepipe train for DDP)"
-    )
-    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="prepared shard set")
-    parser.add_argument("out", type=Path, metavar="OUT", help="model folder to write; resumes from OUT/checkpoints")
-    add_params_argument(parser)
-    parser.add_argument(
-        "--identities", type=Path, default=None, metavar="FILE", help="JSON list of identity names to train on"
-    )
-    parser.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="stop after N optimizer steps in all (checkpointed; the schedule stays the full run's)",
-    )
-    parser.add_argument("--fresh", action="store_true", help="delete old checkpoints instead of resuming")
-    parser.set_defaults(func=_main)
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.max_steps is not None and args.max_steps < 1:
-        raise FacepipeError(f"--max-steps must be >= 1, got {args.max_steps}")
-    params = load_section(args.params, "train")
-    report = run(
-        params, args.prepared, args.out, identities=args.identities, max_steps=args.max_steps, fresh=args.fresh
-    )
-    if os.environ.get("RANK", "0") == "0":
-        print(summary_line(report))
-    return 0
