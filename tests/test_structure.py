@@ -45,8 +45,7 @@ def _literals(path: Path) -> list[tuple[int, frozenset[object]]]:
 def test_each_choice_list_is_written_once() -> None:
     assert {"CommHook", "Precision", "LRScaling", "Decay", "OptimizerName", "HeadParallel"} <= CHOICES.keys()
     assert len(set(CHOICES.values())) == len(CHOICES), "two of config's choice lists are the same"
-    # the device choice is spelled out by the device-resolution helpers until they become one (issue 9)
-    checked = {values: name for name, values in CHOICES.items() if name != "DeviceChoice"}
+    checked = {values: name for name, values in CHOICES.items()}
     copies = [
         f"{path.relative_to(PACKAGE.parent)}:{line} repeats config.{checked[values]}"
         for path in sorted(PACKAGE.rglob("*.py"))
