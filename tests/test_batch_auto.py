@@ -53,6 +53,7 @@ def oom_factory(threshold: int, tried: list[int]):  # type: ignore[no-untyped-de
     return factory
 
 
+@pytest.mark.slow  # three short training runs
 def test_auto_batch_trains_exactly_like_the_batch_it_found(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """48 samples, out of memory above 20: the search settles on 20 and logs it; stopped after 2 steps
     and resumed where a new search would find more, the run keeps 20 (from its checkpoint) and ends

@@ -299,6 +299,7 @@ def _resolve_batch_size(
         return params
     cached = cached_batch_size(checkpoints) if context.is_main and not fresh else None
     found = broadcast_object(cached, context)
+    source = "largest that fits" if found is None else "from the checkpoints"
     if found is None:
         limit = batch_limit(
             len(dataset), world_size=context.world_size, accum_steps=params.accum_steps, device=context.device
@@ -314,7 +315,7 @@ def _resolve_batch_size(
             limit=limit,
             amp_dtype=AMP_DTYPES[params.amp],
         )
-    log.info("batch_size auto: %d per process (%s)", found, "from the checkpoints" if cached else "largest that fits")
+    log.info("batch_size auto: %d per process (%s)", found, source)
     return params.model_copy(update={"batch_size": found})
 
 
