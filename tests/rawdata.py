@@ -108,12 +108,12 @@ class StandInDetector:
         return faces
 
 
-def in_process(raw: Path, params: PrepareParams) -> Callable[[list[str]], Future]:
+def in_process(raw: Path, params: PrepareParams) -> Callable[[list[list[str]]], Future]:
     """A ``submit`` for ``prepare.run`` that runs the chunk worker in this process (no Dask cluster: a
-    fast, real prepare), each chunk as a done future."""
-    def submit(paths: list[str]) -> Future:
+    fast, real prepare), each group of chunks as a done future (one list of outcomes per chunk)."""
+    def submit(group: list[list[str]]) -> Future:
         future: Future = Future()
-        future.set_result(process_chunk(paths, str(raw), params, "cpu"))
+        future.set_result([process_chunk(paths, str(raw), params, "cpu") for paths in group])
         return future
 
     return submit
