@@ -120,8 +120,22 @@ def test_a_failing_chunk_is_retried_once_then_fails_the_flow_naming_it(harness, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "raw"]  # no set, no temporary folder
 
 
-def test_flow_rejects_bad_input_before_starting_anything(tmp_path, capsys):
-    from flows.prepare import main as flow_main
+def test_flow_rejects_bad_input_before_starting_anything(tmp_path, capsys, monkeypatch):
+    """Bad paths and bad params end in one line and exit 2 before the Prefect API (the first thing the
+    flow starts) is shared with workers, and nothing is written."""
+    import flows.prepare as flow_module
 
-    assert flow_main([str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
-    assert "raw folder not found" in capsys.readouterr().err
+    def no_start():
+        raise AssertionError("started before the input was checked")
+
+    monkeypatch.setattr(flow_module, "api_shared_with_workers", no_start)
+    (tmp_path / "raw" / "a").mkdir(parents=True)
+    (tmp_path / "bad.yaml").write_text("prepare:\n  min_face_sise: 30\n")
+    for argv, message in (
+        ([str(tmp_path / "missing"), str(tmp_path / "out")], "raw folder not found"),
+        ([str(tmp_path / "raw"), str(tmp_path / "out"), "--params", str(tmp_path / "bad.yaml")], "unknown key 'prepare.min_face_sise'"),
+    ):
+        assert flow_module.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml", "raw"]
