@@ -50,7 +50,7 @@ from facepipe.io.model_dir import (
 )
 from facepipe.models import create_backbone
 from facepipe.parallel import loader_workers
-from facepipe.training.checkpoint import agreed_resume_point, remove_checkpoints
+from facepipe.training.checkpoint import agreed_resume_point, encode_class_names, remove_checkpoints
 from facepipe.training.distributed import (
     Distributed,
     broadcast_object,
@@ -407,7 +407,7 @@ def _loop_options(
             "config": params.model_dump(mode="json"),
             "data": {"fingerprint": fingerprint, "num_samples": len(dataset), "num_classes": dataset.num_classes},
             "model": spec.model_dump(),
-            "class_names": dataset.class_names,
+            "class_names": encode_class_names(dataset.class_names),  # once per run, not per checkpoint
         },
     )
 
