@@ -273,3 +273,40 @@ def test_the_manifest_records_sizes_and_small_file_hashes_deterministically(tmp_
         name: hashlib.sha256((a / name).read_bytes()).hexdigest() for name in ("labels.json", "rejects.jsonl")
     }
     assert [s["bytes"] for s in manifest["shards"]] == [shard_file(a, i).stat().st_size for i in range(3)]
+
+
+# -- runs of records (format 3): limits found by mutation testing ---------------------------------------
+
+
+def test_a_run_refuses_no_records_and_more_than_4_gib_naming_the_limit():
+    from facepipe.io.records import encode_run
+
+    with pytest.raises(ValueError, match=r"^a run holds at least one record$"):
+        encode_run([])
+
+    class Sized:  # stands in for a record of that many bytes: only len() is read before the limit check
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+        def __len__(self) -> int:
+            return self.size
+
+    # exactly 4 GiB no longer fits the table's uint32 offsets
+    with pytest.raises(ValueError, match=r"^a run of 2 records is 4294967296 bytes: at most 4 GiB$"):
+        encode_run([Sized(1 << 31), Sized(1 << 31)])
+
+
+def test_a_run_table_offset_past_2_gib_is_corrupt_not_negative():
+    """Offsets are unsigned: an entry of 0x90000000 (with a valid table CRC) points past the run's end."""
+    import zlib
+
+    from facepipe.io import records as records_module
+    from facepipe.io.records import encode_run, run_record
+
+    run = bytearray(encode_run([b"first", b"second"]))
+    table_at = records_module._RUN_PREFIX.size
+    struct.pack_into("<I", run, table_at, 0x9000_0000)  # the end of record 0, the start of record 1
+    crc = zlib.crc32(bytes(run[table_at : table_at + 8]), zlib.crc32(bytes(run[: records_module._RUN_CRC_AT])))
+    struct.pack_into("<I", run, records_module._RUN_CRC_AT, crc)
+    with pytest.raises(RecordError, match=r"^run table does not match the run's bytes \(corrupt run\)$"):
+        run_record(bytes(run), 1)
