@@ -10,6 +10,8 @@ data path in a fresh process, with that process's peak resident set after the st
     dataset     FaceDataset restricted to the split's training identities (labels remapped)
     sampler     ShardOrderSampler's epoch order for rank 0 of 2 (shuffled shards + buffer)
     fingerprint data_fingerprint (shard hashes + every class name)
+    checkpoint  one checkpoint's class-name cost: save_checkpoint + load_checkpoint of a state holding
+                only the class names, encoded once as the train stage does (the weights are not in it)
 
 and then ``facepipe train`` (the stage's ``run``) in 2 gloo processes with the sharded head for a few
 steps: time from the call to the first optimizer step, per-rank peak RSS, step time. Targets (issue 9):
@@ -79,7 +81,18 @@ def data_phases(_rank: int, shard_root: str, split_root: str, queue) -> None:  #
     sampler = ShardOrderSampler(dataset.item_shards, batch_size=128, rank=0, world_size=2, seed=0)
     timed("sampler", sampler.rank_items)
     timed("fingerprint", lambda: data_fingerprint(dataset))
+    timed("checkpoint", lambda: _checkpoint_round_trip(dataset.class_names, Path(split_root) / "checkpoints"))
     queue.put(timings)
+
+
+def _checkpoint_round_trip(names: list[str], directory: Path) -> None:
+    from facepipe.training.checkpoint import (
+        CHECKPOINT_FORMAT, CHECKPOINT_VERSION, encode_class_names, load_checkpoint, save_checkpoint,
+    )
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": 1, "class_names": encode_class_names(names)}
+    assert load_checkpoint(save_checkpoint(directory, state, step=1, keep=1))["class_names"] == names
 
 
 def train_worker(rank: int, port: int, shard_root: str, split_root: str, out: str, queue) -> None:  # type: ignore[no-untyped-def]
