@@ -291,9 +291,9 @@ def test_a_run_refuses_no_records_and_more_than_4_gib_naming_the_limit():
         def __len__(self) -> int:
             return self.size
 
-    # exactly 4 GiB no longer fits the table's uint32 offsets
-    with pytest.raises(ValueError, match=r"^a run of 2 records is 4294967296 bytes: at most 4 GiB$"):
-        encode_run([Sized(1 << 31), Sized(1 << 31)])
+    # exactly 4 GiB no longer fits the table's uint32 offsets; the message gives the run's total
+    with pytest.raises(ValueError, match=r"^a run of 3 records is 4294967296 bytes: at most 4 GiB$"):
+        encode_run([Sized(1 << 31), Sized(1 << 30), Sized(1 << 30)])
 
 
 def test_a_run_table_offset_past_2_gib_is_corrupt_not_negative():
