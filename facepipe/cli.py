@@ -82,8 +82,9 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler-address", default=None, metavar="ADDR", help="use an existing Dask cluster")
     parser.add_argument("--device", default="auto", help="detector device: auto, cpu, cuda, cuda:N")
     parser.add_argument(
-        "--update", action="store_true",
-        help="OUT holds a set: add a generation for new and changed files, drop removed ones, reuse the rest",
+        "--update", nargs="?", const=True, default=False, choices=["auto"], metavar="auto",
+        help="OUT holds a set: add a generation for new and changed files, drop removed ones, reuse the rest;"
+        " with 'auto', a set that cannot be grown (older format, other params) is prepared in full instead of refused",
     )
 
 

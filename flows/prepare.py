@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import PrepareParams, load_section
@@ -68,7 +68,7 @@ def warm_worker(params: PrepareParams, device: str) -> None:
 @flow(name="facepipe-prepare", log_prints=True)
 def prepare_flow(
     raw: str, out: str, params_file: str | None = None, workers: int | None = None, device: str = "auto",
-    update: bool = False,
+    update: bool | Literal["auto"] = False,
 ) -> dict[str, Any]:
     """Prepare ``raw`` into the shard set ``out`` with the ``prepare`` section of ``params_file``
     (None: params.yaml, all defaults if absent; a named file must exist)."""
@@ -130,7 +130,7 @@ def run_prepare_flow(
     scheduler_address: str | None = None,
     device: str = "auto",
     verbose: bool = True,
-    update: bool = False,
+    update: bool | Literal["auto"] = False,
 ) -> dict[str, Any]:
     """Run :func:`prepare_flow` on a local Dask cluster (one single-threaded process per core) or an
     existing one, with all Dask workers reporting to this process's Prefect API. Without
@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--scheduler-address", default=None)
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--update", action="store_true", help="grow OUT by one generation (as facepipe prepare --update)")
+    parser.add_argument(
+        "--update", nargs="?", const=True, default=False, choices=["auto"], metavar="auto",
+        help="grow OUT by one generation (as facepipe prepare --update [auto])",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="Dask's and Prefect's INFO logs on the console too")
     args = parser.parse_args(argv)
     configure_console(verbose=args.verbose)

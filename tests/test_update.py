@@ -275,12 +275,18 @@ def test_cli_update_summary_refusal_and_compact(tmp_path, capsys):
     run(raw, out)
     assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 0  # nothing to read: no cluster
     assert "generation 1: reused 11, processed 0, removed 0 file(s)" in capsys.readouterr().out
+    assert main(["prepare", str(raw), str(out), "--update", "auto", "--params", str(params)]) == 0  # grows it too
+    assert "generation 2: reused 11, processed 0, removed 0 file(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:  # argparse's own exit
+        main(["prepare", str(raw), str(out), "--update", "always", "--params", str(params)])
+    assert exited.value.code == 2
+    assert "invalid choice: 'always'" in capsys.readouterr().err
     params.write_text(params.read_text().replace("image_size: 112", "image_size: 96"))
     assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "image_size: 112 -> 96" in err and "run a full prepare" in err
     assert main(["compact", str(out)]) == 0
-    assert "compact: 2 generation(s) -> 1; 9 samples" in capsys.readouterr().out
+    assert "compact: 3 generation(s) -> 1; 9 samples" in capsys.readouterr().out
     assert json.loads((out / "manifest.json").read_text())["generations"][0]["generation"] == 0
 
 
@@ -321,3 +327,34 @@ def test_the_prefect_prepare_flow_updates_and_its_artifact_counts_the_files(tmp_
     assert {r["measure"]: r["value"] for r in rows if r["measure"].startswith("files")} == {
         "files reused": 11, "files processed": 1, "files removed": 0}
     check_accounting(out)
+
+
+def test_update_auto_prepares_in_full_where_a_set_cannot_be_grown(tmp_path):
+    """What dvc repro runs (--update auto): changed params or an older set give a full prepare, the same
+    bytes as one from scratch, instead of the refusal; a foreign folder is still refused and untouched."""
+    raw, out, fresh = tmp_path / "raw", tmp_path / "out", tmp_path / "fresh"
+    write(raw, V1)
+    run(raw, out)
+    changed = PARAMS.model_copy(update={"image_size": 96})
+    report = run(raw, out, update="auto", params=changed)
+    assert report["files"] == {"reused": 0, "processed": len(V1), "removed": 0}
+    run(raw, fresh, params=changed)
+    assert files_of(out).keys() == files_of(fresh).keys()
+    for name, data in files_of(fresh).items():
+        if name != "report.json":  # timings
+            assert files_of(out)[name] == data, name
+    manifest = json.loads((out / "manifest.json").read_text())  # an older set: no generations, no sources
+    manifest["version"] = 2
+    del manifest["generations"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "sources.jsonl").unlink()
+    assert run(raw, out, update="auto", params=changed)["files"]["processed"] == len(V1)
+    assert json.loads((out / "manifest.json").read_text())["version"] == json.loads((fresh / "manifest.json").read_text())["version"]
+    grown = run(raw, out, update="auto", params=changed)  # a growable set is grown, not rebuilt
+    assert grown["files"] == {"reused": len(V1), "processed": 0, "removed": 0}
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FacepipeError, match="refusing to replace"):
+        run(raw, foreign, update="auto")
+    assert (foreign / "notes.txt").read_text() == "mine"

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from facepipe.alignment import template
 from facepipe.config import PrepareParams
@@ -30,7 +30,7 @@ from facepipe.io.shards import SET_FORMAT, ShardInfo, ShardWriter
 from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
 from facepipe.progress import Progress
 from facepipe.quality import REPORT_FILE, write_report
-from facepipe.stages.update import NEW_SHARDS, UpdatePlan, file_stats, has_set, link_shards, place_new_shards, plan_update
+from facepipe.stages.update import NEW_SHARDS, NotGrowable, UpdatePlan, file_stats, has_set, link_shards, place_new_shards, plan_update
 
 log = logging.getLogger("facepipe.prepare")
 
@@ -293,7 +293,7 @@ def run(
     raw: str | Path,
     out: str | Path,
     *,
-    update: bool = False,
+    update: bool | Literal["auto"] = False,
     workers: int | None = None,
     scheduler_address: str | None = None,
     device: str = "auto",
@@ -306,7 +306,9 @@ def run(
 
     ``update``: when ``out`` holds a set, add one generation for the files that are new or changed
     and record the removed ones, reusing the rest without decoding (:mod:`facepipe.stages.update`);
-    an absent or empty ``out`` is prepared in full. ``submit`` replaces the built-in Dask runner (the
+    an absent or empty ``out`` is prepared in full. ``update="auto"`` (what ``dvc repro`` runs): the
+    same, except that a set which cannot be grown (written by an older facepipe, with other prepare
+    params, or inconsistent) is prepared in full, with a warning, instead of refused. ``submit`` replaces the built-in Dask runner (the
     Prefect flow passes its task submission); it must run ``process_chunks(group, str(raw), params,
     device)`` and return a future. ``warm``, with ``submit``, readies the workers behind it (loads the
     detector) before the first chunk. ``chunks_per_task``: the most chunks one submission carries
@@ -317,7 +319,12 @@ def run(
     items = check_inputs(raw, out, follow_symlinks=params.follow_symlinks)
     plan = None
     if update and has_set(out):
-        plan = plan_update(out, params, items, raw=raw, manifest_params=_manifest_params(params))
+        try:
+            plan = plan_update(out, params, items, raw=raw, manifest_params=_manifest_params(params))
+        except NotGrowable as error:
+            if update != "auto":
+                raise
+            log.warning("prepare: %s cannot be grown (%s): preparing it in full", out, str(error).removeprefix("--update: "))
     stats = plan.stats if plan is not None else file_stats(raw, items)
     todo = plan.todo if plan is not None else items
     scan_s = time.perf_counter() - started

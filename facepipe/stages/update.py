@@ -40,6 +40,11 @@ from facepipe.io.shards import SET_VERSION, ShardInfo, ShardSet, ShardSetError, 
 NEW_SHARDS = ".new-shards"
 
 
+class NotGrowable(FacepipeError):
+    """``out`` is a facepipe set, but not one this update may grow (older format, other params, inconsistent):
+    ``prepare --update auto`` prepares it in full instead."""
+
+
 def has_set(out: Path) -> bool:
     """True when ``out`` holds something to update (a manifest); an absent or empty OUT is prepared in full."""
     return (out / "manifest.json").is_file() or (out.is_dir() and any(out.iterdir()))
@@ -148,7 +153,7 @@ def _open_base(out: Path, manifest_params: dict[str, Any]) -> ShardSet:
     except ShardSetError as error:
         raise FacepipeError(f"--update: {out} is not a facepipe shard set to grow ({error})") from None
     if base.manifest.get("version") != SET_VERSION or not (out / SOURCES_FILE).is_file():
-        raise FacepipeError(
+        raise NotGrowable(
             f"--update: {out} was written by an older facepipe (set v{base.manifest.get('version')}, no {SOURCES_FILE}):"
             " run a full prepare (without --update) once"
         )
@@ -157,13 +162,13 @@ def _open_base(out: Path, manifest_params: dict[str, Any]) -> ShardSet:
     changed = sorted(k for k in {*manifest_params, *base.manifest["params"]} if manifest_params.get(k) != base.manifest["params"].get(k))
     if changed:
         what = ", ".join(f"{k}: {base.manifest['params'].get(k)!r} -> {manifest_params.get(k)!r}" for k in changed)
-        raise FacepipeError(
+        raise NotGrowable(
             f"--update: the prepare params differ from those {out} was prepared with ({what}); a set must not mix"
             " two alignments or encodings: run a full prepare (without --update)"
         )
     problems = metadata_problems(base)
     if problems:
-        raise FacepipeError(f"--update: {out} is inconsistent ({problems[0]}): see facepipe verify {out}")
+        raise NotGrowable(f"--update: {out} is inconsistent ({problems[0]}): see facepipe verify {out}")
     return base
 
 
