@@ -21,7 +21,10 @@ from facepipe.io.records import (
     decode_record,
     encode_image,
     encode_record,
+    encode_run,
     payload_offset,
+    run_record,
+    run_records,
     unsafe_path_reason,
 )
 
@@ -155,3 +158,54 @@ def test_decode_image_gives_rgb_whatever_the_stored_mode() -> None:
 )
 def test_unsafe_path_reasons(path: object, reason: str | None) -> None:
     assert unsafe_path_reason(path) == reason
+
+
+# -- runs of records (format 3) -----------------------------------------------------------------------
+#   b"FPN" | u8 1 | u32 count | u32 CRC-32 of the 8 bytes before it and the table | u32 end[count] | records
+
+
+def run_by_hand(parts: list[bytes], *, magic: bytes = b"FPN", version: int = 1) -> bytes:
+    ends = struct.pack(f"<{len(parts)}I", *np.cumsum([len(part) for part in parts]).tolist())
+    start = magic + bytes([version]) + struct.pack("<I", len(parts))
+    return start + struct.pack("<I", zlib.crc32(start + ends)) + ends + b"".join(parts)
+
+
+def test_run_bytes_follow_the_documented_layout() -> None:
+    parts = [b"first", b"", b"third record"]
+    run = run_by_hand(parts)
+    assert struct.unpack_from("<I", run, 8)[0] >= 1 << 31  # a CRC past 2**31: written unsigned
+    assert encode_run(parts) == run
+    for data in (run, memoryview(run), bytearray(run)):
+        assert [bytes(view) for view in run_records(data)] == parts
+        assert [bytes(run_record(data, position)) for position in range(3)] == parts  # record 0 too
+    for position in (3, -1):
+        with pytest.raises(IndexError, match=rf"^run of 3 records has no record {position}$"):
+            run_record(run, position)
+
+
+def test_a_run_whose_table_ends_the_value_holds_empty_records() -> None:
+    """The table may end exactly where the value ends (every record empty): not truncated."""
+    for parts in ([b""], [b"", b""]):
+        run = encode_run(parts)
+        assert len(run) == 12 + 4 * len(parts) and run == run_by_hand(parts)
+        assert [bytes(view) for view in run_records(run)] == parts
+        assert bytes(run_record(run, len(parts) - 1)) == b""
+
+
+def test_run_reader_refusals_name_the_problem_whole() -> None:
+    run = encode_run([b"ab", b"cde"])  # prefix 12 + table 8 + records 5
+    for read in (run_records, lambda data: run_record(data, 0)):
+        with pytest.raises(RecordError, match=r"^run too short \(11 bytes\)$"):
+            read(run[:11])
+        for cut in (12, 19):  # the whole prefix (not "too short") but not the whole table
+            with pytest.raises(RecordError, match="^run truncated inside its table$"):
+                read(run[:cut])
+        foreign = r"^not a facepipe run of version 1 \(bad magic or version\)$"
+        with pytest.raises(RecordError, match=foreign):  # the magic alone wrong, the CRC made to fit
+            read(run_by_hand([b"ab", b"cde"], magic=b"FPX"))
+        with pytest.raises(RecordError, match=foreign):  # the version alone wrong
+            read(run_by_hand([b"ab", b"cde"], version=2))
+        bad = bytearray(run)
+        bad[16] ^= 0x01  # the end of record 1
+        with pytest.raises(RecordError, match=r"^run table checksum mismatch \(corrupt bytes\)$"):
+            read(bytes(bad))
