@@ -153,10 +153,14 @@ def test_an_unchanged_raw_updates_without_reading_a_file(tmp_path, monkeypatch):
     run(raw, out)
     before = files_of(out)
     report = run(raw, out, update=True)  # the in-process submit would read; nothing may be submitted
-    assert report["files"] == {"reused": 11, "processed": 0, "removed": 0} and report["generation"] == 1
+    # nothing new, changed or removed: no new generation, so the set (and every DVC stage after it) is unchanged
+    assert report["files"] == {"reused": 11, "processed": 0, "removed": 0} and report["generation"] == 0
     after = files_of(out)
-    assert all(after[name] == data for name, data in before.items() if name.startswith("shards/"))
-    assert after["labels.json"] == before["labels.json"] and after["rejects.jsonl"] == before["rejects.jsonl"]
+    assert {n: d for n, d in after.items() if n != "report.json"} == {n: d for n, d in before.items() if n != "report.json"}
+    os.utime(raw / "id1/0.jpg", ns=(1, 1))  # touched, same bytes: only sources.jsonl records the new time
+    assert run(raw, out, update=True)["generation"] == 0
+    touched = files_of(out)
+    assert touched["manifest.json"] == before["manifest.json"] and touched["sources.jsonl"] != before["sources.jsonl"]
 
 
 def test_update_on_a_missing_or_empty_out_is_a_full_prepare(tmp_path):
@@ -274,9 +278,10 @@ def test_cli_update_summary_refusal_and_compact(tmp_path, capsys):
     params.write_text("prepare:\n" + "".join(f"  {k}: {v}\n" for k, v in PARAMS.model_dump().items() if v is not None))
     run(raw, out)
     assert main(["prepare", str(raw), str(out), "--update", "--params", str(params)]) == 0  # nothing to read: no cluster
-    assert "generation 1: reused 11, processed 0, removed 0 file(s)" in capsys.readouterr().out
+    assert "unchanged (generation 0): reused 11 file(s)" in capsys.readouterr().out
+    (raw / "id1" / "new.jpg").write_bytes(face(99))
     assert main(["prepare", str(raw), str(out), "--update", "auto", "--params", str(params)]) == 0  # grows it too
-    assert "generation 2: reused 11, processed 0, removed 0 file(s)" in capsys.readouterr().out
+    assert "generation 1: reused 11, processed 1, removed 0 file(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exited:  # argparse's own exit
         main(["prepare", str(raw), str(out), "--update", "always", "--params", str(params)])
     assert exited.value.code == 2
@@ -286,7 +291,7 @@ def test_cli_update_summary_refusal_and_compact(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "image_size: 112 -> 96" in err and "run a full prepare" in err
     assert main(["compact", str(out)]) == 0
-    assert "compact: 3 generation(s) -> 1; 9 samples" in capsys.readouterr().out
+    assert "compact: 2 generation(s) -> 1; 10 samples" in capsys.readouterr().out
     assert json.loads((out / "manifest.json").read_text())["generations"][0]["generation"] == 0
 
 

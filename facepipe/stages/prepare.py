@@ -127,6 +127,7 @@ class SetBuilder:
         self.kept: list[int] = []  # stored indexes of the base's records that stay live
         self.payload_bytes = 0
         self.resized: list[str] = []  # detector none: paths of crops that were not image_size squares
+        self.unchanged = False  # set by finish(): an update that found nothing to add or remove
 
     def _duplicate_of(self, path: str, sha256: str | None) -> str | None:
         """The earlier path (sorted order) with the same bytes, else None (and ``path`` is first)."""
@@ -220,6 +221,9 @@ class SetBuilder:
             "labels": [len(self.base.identities), len(self.identities)],
             "excluded": dict(sorted((excluded or {}).items())),
         }
+        # an update that found nothing new, changed or removed adds no generation: the set stays as it
+        # was (manifest, labels, shards), so nothing downstream of it (DVC stages, a training run) is stale
+        self.unchanged = self.base.number > 0 and decided == 0 and removed == 0 and not shards and not excluded
         manifest = build_manifest(
             [*self.base.shards, *shards],
             image={
@@ -232,7 +236,7 @@ class SetBuilder:
             num_identities=len(self.identities),
             counts={"scanned": scanned, "accepted": self.accepted, "rejected": rejected},
             params=self.base.params or _manifest_params(p),
-            generations=[*self.base.generations, generation],
+            generations=[*self.base.generations] if self.unchanged else [*self.base.generations, generation],
         )
         manifest["rejected_by_reason"] = dict(sorted(self.reasons.items()))
         return write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
@@ -378,7 +382,12 @@ def run(
             "num_shards": len(manifest["shards"]),
             "generation": generation["generation"],
             # files reused without decoding, processed (read, decoded, detected) and gone from RAW
-            "files": {"reused": generation["reused"], "processed": len(todo), "removed": generation["removed"]},
+            "files": {
+                "reused": len(items) if builder.unchanged else generation["reused"],
+                "processed": len(todo),
+                "removed": 0 if builder.unchanged else generation["removed"],
+            },
+            **({"unchanged": True} if builder.unchanged else {}),
             "payload_bytes": builder.payload_bytes + (_base_payload(plan) if plan is not None else 0),
             **({"resized": len(builder.resized)} if params.detector == "none" else {}),
             "shard_bytes": sum((tmp / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
@@ -457,6 +466,8 @@ def summary_line(report: dict[str, Any]) -> str:
         + (f" ({reasons})" if reasons else "")
         + f"; {report['num_identities']} identities in {report['num_shards']} shard(s);"
         + (f" generation {report['generation']}: reused {files['reused']}, processed {files['processed']},"
-           f" removed {files['removed']} file(s);" if (files := report.get("files")) and report.get("generation") else "")
+           f" removed {files['removed']} file(s);" if (files := report.get("files")) and report.get("generation") and not report.get("unchanged") else "")
+        + (f" unchanged (generation {report['generation']}): reused {report['files']['reused']} file(s);"
+           if report.get("unchanged") else "")
         + f" {report['timings_s']['total']:.1f} s, {report['images_per_s']:.1f} images/s on {report['workers']} worker(s)"
     )
