@@ -363,3 +363,18 @@ def test_update_auto_prepares_in_full_where_a_set_cannot_be_grown(tmp_path):
     with pytest.raises(FacepipeError, match="refusing to replace"):
         run(raw, foreign, update="auto")
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_new_shards_never_replace_a_base_shard(tmp_path):
+    """place_new_shards refuses a name the base already uses (a hard link of the published set) and moves nothing."""
+    from facepipe.io.shards import ShardInfo
+    from facepipe.stages.update import NEW_SHARDS, place_new_shards
+
+    (tmp_path / "shards").mkdir()
+    (tmp_path / NEW_SHARDS).mkdir()
+    (tmp_path / "shards" / "shard-00001.lmdb").write_bytes(b"base")
+    (tmp_path / NEW_SHARDS / "shard-00000.lmdb").write_bytes(b"new")
+    with pytest.raises(RuntimeError, match="shard-00001.lmdb already exists"):
+        place_new_shards([ShardInfo("shard-00000.lmdb", 1, "0" * 64, 0, 3)], root=tmp_path, first=1)
+    assert (tmp_path / "shards" / "shard-00001.lmdb").read_bytes() == b"base"
+    assert (tmp_path / NEW_SHARDS / "shard-00000.lmdb").read_bytes() == b"new"

@@ -200,6 +200,8 @@ def place_new_shards(shards: list[ShardInfo], *, root: Path, first: int) -> list
     placed = []
     for offset, info in enumerate(shards):
         name = shard_name(first + offset)
+        if os.path.lexists(root / "shards" / name):  # never replace a base shard's link: refuse, lose nothing
+            raise RuntimeError(f"shard {name} already exists in {root / 'shards'}: the base set's shards are not numbered 0..{first - 1}")
         (root / NEW_SHARDS / info.file).rename(root / "shards" / name)
         placed.append(ShardInfo(name, info.num_samples, info.sha256, info.payload_bytes, info.bytes))
     shutil.rmtree(root / NEW_SHARDS, ignore_errors=True)
