@@ -223,7 +223,7 @@ def test_identity_restriction_remaps_labels_without_reading_images(shard_set, tm
     # Every way a record leaves a shard: one record, a batch in one transaction, and iteration.
     for method in ("get", "get_many", "__iter__"):
         monkeypatch.setattr(ShardReader, method, no_image_reads)
-    by_names = FaceDataset(shard_set, identities=["id0004", "id0001"])
+    by_names = FaceDataset(shard_set, identities=["id0004", "id0001", "id0004"])  # a repeated name counts once
     path = tmp_path / "train_identities.json"
     path.write_text(json.dumps(["id0001", "id0004"]))
     by_file = FaceDataset(shard_set, identities=path)
