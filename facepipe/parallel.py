@@ -133,20 +133,8 @@ def dask_client(
         finally:
             client.close()
         return
-    gpus = detection_gpus(device, device_count=device_count)
-    n_workers = workers or default_workers(gpus=gpus)
     with worker_config():
-        cluster = LocalCluster(
-            n_workers=n_workers,
-            threads_per_worker=1,
-            processes=True,
-            host="127.0.0.1",
-            dashboard_address=DASHBOARD_ADDRESS,
-            silence_logs=logging.ERROR,
-            **({"worker_class": _gpu_nanny(worker_gpus(n_workers, device_count=gpus))} if gpus else {}),
-        )
-        if gpus:
-            log.info("%d Dask workers on %d GPU(s), %d per GPU at most", n_workers, gpus, -(-n_workers // gpus))
+        cluster = LocalCluster(**local_cluster_kwargs(workers=workers, device=device, device_count=device_count))
     client = Client(cluster)
     log.info("Dask dashboard (this machine only): %s", client.dashboard_link)
     try:
@@ -154,6 +142,33 @@ def dask_client(
     finally:
         client.close()
         cluster.close()
+
+
+def local_cluster_kwargs(
+    *,
+    workers: int | None = None,
+    device: str = "cpu",
+    device_count: int | None = None,
+    silence_logs: int | bool = logging.ERROR,
+) -> dict[str, Any]:
+    """``LocalCluster`` arguments for detection workers, the CLI's (:func:`dask_client`) and the Prefect
+    flow's alike: single-threaded processes listening on 127.0.0.1, one per core (``workers`` to
+    choose), and with ``device`` auto or cuda and GPUs present, ``WORKERS_PER_GPU`` per GPU with worker i
+    seeing only GPU i mod N."""
+    gpus = detection_gpus(device, device_count=device_count)
+    n_workers = workers or default_workers(gpus=gpus)
+    kwargs: dict[str, Any] = {
+        "n_workers": n_workers,
+        "threads_per_worker": 1,
+        "processes": True,
+        "host": "127.0.0.1",
+        "dashboard_address": DASHBOARD_ADDRESS,
+        "silence_logs": silence_logs,
+    }
+    if gpus:
+        kwargs["worker_class"] = _gpu_nanny(worker_gpus(n_workers, device_count=gpus))
+        log.info("%d Dask workers on %d GPU(s), %d per GPU at most", n_workers, gpus, -(-n_workers // gpus))
+    return kwargs
 
 
 def _gpu_nanny(visible: list[str]) -> type:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import PrepareParams, load_section
 from facepipe.errors import FacepipeError
-from facepipe.parallel import DASHBOARD_ADDRESS, default_workers, worker_config
+from facepipe.parallel import local_cluster_kwargs, worker_config
 from facepipe.quality import REPORT_FILE
 from facepipe.stages import prepare as prepare_stage
 from facepipe.stages.prepare import Outcome, process_chunks, warm_up
@@ -139,24 +139,27 @@ def run_prepare_flow(
     load_section(params_file, "prepare")
     prepare_stage.check_paths(raw, out)
     with api_shared_with_workers():
-        if scheduler_address:
-            runner = DaskTaskRunner(address=scheduler_address)
-        else:
-            runner = DaskTaskRunner(
-                cluster_kwargs={
-                    "n_workers": workers or default_workers(),
-                    "threads_per_worker": 1,
-                    "processes": True,
-                    "host": "127.0.0.1",
-                    "dashboard_address": DASHBOARD_ADDRESS,
-                    "silence_logs": dask_silence(verbose=verbose),
-                }
-            )
+        runner = task_runner(workers=workers, scheduler_address=scheduler_address, device=device, verbose=verbose)
         with worker_config():  # the task runner starts its cluster inside the flow
             return prepare_flow.with_options(task_runner=runner)(
                 str(raw), str(out), params_file=None if params_file is None else str(params_file),
                 workers=workers, device=device, update=update,
             )
+
+
+def task_runner(
+    *, workers: int | None, scheduler_address: str | None, device: str, verbose: bool, device_count: int | None = None
+) -> DaskTaskRunner:
+    """The flow's Dask task runner: an existing cluster, or a local one laid out as the CLI's
+    (:func:`facepipe.parallel.local_cluster_kwargs`: one worker per core, or with GPUs each worker on its
+    own GPU); ``device_count`` overrides how many GPUs there are, for tests."""
+    if scheduler_address:
+        return DaskTaskRunner(address=scheduler_address)
+    return DaskTaskRunner(
+        cluster_kwargs=local_cluster_kwargs(
+            workers=workers, device=device, device_count=device_count, silence_logs=dask_silence(verbose=verbose)
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

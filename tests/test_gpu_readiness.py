@@ -4,6 +4,7 @@ throughput defaults."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from pathlib import Path
 
@@ -284,18 +285,30 @@ def test_prepare_workers_spread_over_the_gpus(monkeypatch: pytest.MonkeyPatch) -
     assert parallel.detection_gpus("cpu", device_count=4) == parallel.detection_gpus("cuda:1", device_count=4) == 0
 
 
+@contextlib.contextmanager
+def _flow_cluster_client(*, workers: int, device: str, device_count: int):  # type: ignore[no-untyped-def]
+    """The Prefect flow's own task runner (``flows.prepare.task_runner``), started: its Dask client."""
+    from flows.prepare import task_runner
+
+    with task_runner(workers=workers, scheduler_address=None, device=device, verbose=False, device_count=device_count) as runner:
+        yield runner.client
+
+
 @pytest.mark.multiprocess
-def test_local_dask_workers_each_see_one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A real LocalCluster with 2 GPUs injected: worker i starts with CUDA_VISIBLE_DEVICES = i mod 2."""
+@pytest.mark.parametrize("path", ["cli", "flow"])
+def test_local_dask_workers_each_see_one_gpu(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A real LocalCluster with 2 GPUs injected, as the CLI (``dask_client``) and the Prefect flow start
+    it: worker i starts with CUDA_VISIBLE_DEVICES = i mod 2; with device cpu no worker is restricted."""
     import os
 
     from facepipe.parallel import dask_client
 
+    start = dask_client if path == "cli" else _flow_cluster_client
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with dask_client(workers=3, device="auto", device_count=2) as client:
+    with start(workers=3, device="auto", device_count=2) as client:
         seen = client.run(lambda dask_worker: (dask_worker.name, os.environ.get("CUDA_VISIBLE_DEVICES")))
     assert sorted(seen.values()) == [(0, "0"), (1, "1"), (2, "0")]
-    with dask_client(workers=1, device="cpu", device_count=2) as client:
+    with start(workers=1, device="cpu", device_count=2) as client:
         seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
     assert list(seen.values()) == [None]
 
