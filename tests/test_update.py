@@ -203,6 +203,30 @@ def test_a_set_of_the_previous_version_is_read_but_not_updated(tmp_path):
         run(raw, out, update=True)
 
 
+def test_a_damaged_sources_file_is_refused_in_one_line_and_auto_prepares_in_full(tmp_path):
+    """sources.jsonl is read line by line into compact entries: a line that is not JSON or lacks a field
+    is a one-line refusal that changes nothing (no traceback), and ``--update auto`` prepares in full."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    intact = (out / "sources.jsonl").read_text()
+    lines = intact.splitlines()
+    lacking = json.loads(lines[1])
+    del lacking["sha256"]
+    for damaged, expected in (([lines[0], json.dumps(lacking), *lines[2:]], "lacks 'sha256'"), ([lines[0], "{not json", *lines[2:]], "not JSON")):
+        (out / "sources.jsonl").write_text("\n".join(damaged) + "\n")
+        before = files_of(out)
+        with pytest.raises(FacepipeError, match=f"sources.jsonl is inconsistent.*{expected}.*full prepare") as error:
+            run(raw, out, update=True)
+        assert "\n" not in str(error.value)
+        assert files_of(out) == before
+    report = run(raw, out, update="auto")
+    assert report["files"]["processed"] == len(V1)
+    rebuilt = [json.loads(line) for line in (out / "sources.jsonl").read_text().splitlines()]
+    assert [entry["path"] for entry in rebuilt] == [json.loads(line)["path"] for line in lines]
+    assert all(entry["sha256"] for entry in rebuilt)
+
+
 KILLED_UPDATE = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})

@@ -1,0 +1,67 @@
+"""Memory of an update's reading of ``sources.jsonl``: what ``prepare --update`` holds per file of the set.
+
+Writes a synthetic ``sources.jsonl`` of ``--files`` lines (8 photos per identity, one line per file as
+prepare writes them) under ``--root``, then in a fresh process per repeat reads it as the update does
+(``facepipe.stages.update._read_jsonl``) and reports the time and the growth of the resident set.
+
+    python benchmarks/update_memory.py [--files 1000000] [--root /tmp/facepipe-update-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PROBE = """
+import json, re, sys, time
+from pathlib import Path
+from facepipe.stages.update import _read_jsonl
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+before = rss()
+started = time.perf_counter()
+entries = _read_jsonl(Path(sys.argv[1]))
+print(json.dumps({"seconds": time.perf_counter() - started, "rss_growth": rss() - before, "entries": len(entries)}))
+"""
+
+
+def write_sources(path: Path, files: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for i in range(files):
+            identity = f"id{i // 8:07d}"
+            line = {"generation": 0, "mtime_ns": 1_796_087_397_780_087_059 + i, "path": f"{identity}/{identity}_{i % 8:04d}.jpg",
+                    "reason": "low_score" if i % 31 == 0 else None, "sample": None if i % 31 == 0 else i,
+                    "sha256": hashlib.sha256(str(i).encode()).hexdigest(), "size": 98_401 + i}
+            handle.write(json.dumps(line, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--root", type=Path, default=Path("/tmp/facepipe-update-memory"))
+    args = parser.parse_args()
+    if args.root.exists():
+        raise SystemExit(f"{args.root} exists: choose another --root (this script deletes what it writes)")
+    try:
+        path = args.root / "sources.jsonl"
+        write_sources(path, args.files)
+        runs = [json.loads(subprocess.run([sys.executable, "-c", PROBE, str(path)], check=True, capture_output=True, text=True).stdout)
+                for _ in range(args.repeats)]
+        growth = sorted(r["rss_growth"] for r in runs)[len(runs) // 2]
+        seconds = sorted(r["seconds"] for r in runs)[len(runs) // 2]
+        print(f"{args.files:,} files, sources.jsonl {path.stat().st_size / 2**20:.0f} MiB: read in {seconds:.1f} s, "
+              f"resident +{growth / 2**30:.2f} GiB ({growth / args.files:.0f} bytes a file); medians of {args.repeats}")
+    finally:
+        shutil.rmtree(args.root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
