@@ -182,7 +182,7 @@ def dask_cluster(tmp_path: Path) -> Iterator[tuple[str, list[subprocess.Popen]]]
                 proc.terminate()
         for proc in (*workers, scheduler):
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=5)  # a worker busy in torch code can ignore SIGTERM for 20 s and more
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
