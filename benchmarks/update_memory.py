@@ -1,10 +1,12 @@
-"""Memory of an update's reading of ``sources.jsonl``: what ``prepare --update`` holds per file of the set.
+"""Memory of an update per file of the set: its reading of ``sources.jsonl``, and (``--scan``) the scan.
 
 Writes a synthetic ``sources.jsonl`` of ``--files`` lines (8 photos per identity, one line per file as
 prepare writes them) under ``--root``, then in a fresh process per repeat reads it as the update does
-(``facepipe.stages.update._read_jsonl``) and reports the time and the growth of the resident set.
+(``facepipe.stages.update._read_jsonl``) and reports the time and the growth of the resident set. With
+``--scan`` it also creates ``--files`` empty files in that layout and times the scan that every prepare
+and update starts with (``scan_raw``) plus the update's per-file stats (``file_stats``) the same way.
 
-    python benchmarks/update_memory.py [--files 1000000] [--root /tmp/facepipe-update-memory]
+    python benchmarks/update_memory.py [--files 1000000] [--scan] [--root /tmp/facepipe-update-memory]
 """
 
 from __future__ import annotations
@@ -30,6 +32,37 @@ entries = _read_jsonl(Path(sys.argv[1]))
 print(json.dumps({"seconds": time.perf_counter() - started, "rss_growth": rss() - before, "entries": len(entries)}))
 """
 
+SCAN_PROBE = """
+import json, re, sys, time
+from pathlib import Path
+from facepipe.data.scan import scan_raw
+from facepipe.stages.update import file_stats
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+before = rss()
+started = time.perf_counter()
+items = scan_raw(sys.argv[1])
+stats = file_stats(Path(sys.argv[1]), items)
+print(json.dumps({"seconds": time.perf_counter() - started, "rss_growth": rss() - before, "entries": len(items)}))
+"""
+
+
+def write_files(raw: Path, files: int) -> None:
+    for i in range(files):
+        identity = raw / f"id{i // 8:07d}"
+        if i % 8 == 0:
+            identity.mkdir(parents=True)
+        (identity / f"id{i // 8:07d}_{i % 8:04d}.jpg").touch()
+
+
+def measure(probe: str, target: Path, repeats: int, files: int, what: str) -> None:
+    runs = [json.loads(subprocess.run([sys.executable, "-c", probe, str(target)], check=True, capture_output=True, text=True).stdout)
+            for _ in range(repeats)]
+    assert all(r["entries"] >= files for r in runs), runs
+    growth = sorted(r["rss_growth"] for r in runs)[len(runs) // 2]
+    seconds = sorted(r["seconds"] for r in runs)[len(runs) // 2]
+    print(f"{what}: {seconds:.1f} s, resident +{growth / 2**30:.2f} GiB ({growth / files:.0f} bytes a file); medians of {repeats}")
+
 
 def write_sources(path: Path, files: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -46,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scan", action="store_true", help="also create --files empty files and time the scan")
     parser.add_argument("--root", type=Path, default=Path("/tmp/facepipe-update-memory"))
     args = parser.parse_args()
     if args.root.exists():
@@ -53,12 +87,10 @@ def main() -> None:
     try:
         path = args.root / "sources.jsonl"
         write_sources(path, args.files)
-        runs = [json.loads(subprocess.run([sys.executable, "-c", PROBE, str(path)], check=True, capture_output=True, text=True).stdout)
-                for _ in range(args.repeats)]
-        growth = sorted(r["rss_growth"] for r in runs)[len(runs) // 2]
-        seconds = sorted(r["seconds"] for r in runs)[len(runs) // 2]
-        print(f"{args.files:,} files, sources.jsonl {path.stat().st_size / 2**20:.0f} MiB: read in {seconds:.1f} s, "
-              f"resident +{growth / 2**30:.2f} GiB ({growth / args.files:.0f} bytes a file); medians of {args.repeats}")
+        measure(PROBE, path, args.repeats, args.files, f"{args.files:,} files, reading sources.jsonl ({path.stat().st_size / 2**20:.0f} MiB)")
+        if args.scan:
+            write_files(args.root / "raw", args.files)
+            measure(SCAN_PROBE, args.root / "raw", args.repeats, args.files, f"{args.files:,} files, scan_raw + file_stats")
     finally:
         shutil.rmtree(args.root, ignore_errors=True)
 
