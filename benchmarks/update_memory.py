@@ -2,7 +2,7 @@
 
 Writes a synthetic ``sources.jsonl`` of ``--files`` lines (8 photos per identity, one line per file as
 prepare writes them) under ``--root``, then in a fresh process per repeat reads it as the update does
-(``facepipe.stages.update._read_jsonl``) and reports the time and the growth of the resident set. With
+(``facepipe.stages.update.read_sources``) and reports the time and the growth of the resident set. With
 ``--scan`` it also creates ``--files`` empty files in that layout and times the scan that every prepare
 and update starts with (``scan_raw``) plus the update's per-file stats (``file_stats``) the same way.
 
@@ -23,12 +23,12 @@ from pathlib import Path
 PROBE = """
 import json, re, sys, time
 from pathlib import Path
-from facepipe.stages.update import _read_jsonl
+from facepipe.stages.update import read_sources
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 before = rss()
 started = time.perf_counter()
-entries = _read_jsonl(Path(sys.argv[1]))
+entries = read_sources(Path(sys.argv[1]))
 print(json.dumps({"seconds": time.perf_counter() - started, "rss_growth": rss() - before, "entries": len(entries)}))
 """
 

@@ -110,7 +110,7 @@ def plan_update(out: Path, params: PrepareParams, items: list[ScanItem], *, raw:
     """Check that ``out`` is a set this update may grow, and decide which files to reuse. Raises
     FacepipeError (a folder that is not a facepipe set, an older set, changed params, an inconsistent set)."""
     base = _open_base(out, manifest_params)
-    sources = _read_jsonl(out / SOURCES_FILE)
+    sources = read_sources(out / SOURCES_FILE)
     rejects = {r["path"]: r for r in _read_jsonl(out / "rejects.jsonl")}
     stats = file_stats(raw, items)
     todo: list[ScanItem] = []
@@ -143,10 +143,7 @@ def _reusable(
         data = read_raw_file(raw, item.path)
     except OSError:
         return False
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        return False
-    entry["size"], entry["mtime_ns"] = stats[item.path]  # touched, same bytes: record the new time
-    return True
+    return hashlib.sha256(data).hexdigest() == entry["sha256"]  # touched, same bytes: the builder records the new time
 
 
 def _open_base(out: Path, manifest_params: dict[str, Any]) -> ShardSet:
@@ -190,38 +187,31 @@ class SourceEntry:
     def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
 
-    def __setitem__(self, key: str, value: Any) -> None:
-        setattr(self, key, value)
 
-
-def _read_jsonl(path: Path) -> Any:
-    """``sources.jsonl`` as {path: SourceEntry} (read line by line, never all dicts at once), any
-    other JSONL file as a list of its lines."""
-    sources = path.name == SOURCES_FILE
-    out: Any = {} if sources else []
-    collecting = gc.isenabled()
-    gc.disable()  # a million new acyclic objects would otherwise set off full collections over and over
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """The lines of a JSONL file that the update reads, parsed one at a time."""
     try:
         with open(path, encoding="utf-8") as handle:
             for text in handle:
-                if not text.strip():
-                    continue
-                line = json.loads(text)
-                if sources:
-                    entry = SourceEntry(line)
-                    out[entry.path] = entry
-                else:
-                    out.append(line)
+                if text.strip():
+                    yield json.loads(text)
     except OSError as error:
         raise FacepipeError(f"--update: cannot read {path}: {error}") from None
     except ValueError as error:
         raise NotGrowable(f"--update: {path} is inconsistent (not JSON lines: {error}): run a full prepare (without --update)") from None
+
+
+def read_sources(path: Path) -> dict[str, SourceEntry]:
+    """``sources.jsonl`` as {scan path: entry}, line by line (never all lines' dicts at once)."""
+    collecting = gc.isenabled()
+    gc.disable()  # a million new acyclic objects would otherwise set off full collections over and over
+    try:
+        return {entry.path: entry for entry in map(SourceEntry, _read_jsonl(path))}
     except (KeyError, TypeError) as error:
         raise NotGrowable(f"--update: {path} is inconsistent (a line lacks {error}): run a full prepare (without --update)") from None
     finally:
         if collecting:
             gc.enable()
-    return out
 
 
 def link_shards(base: ShardSet, tmp: Path) -> None:
