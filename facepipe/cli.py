@@ -48,7 +48,8 @@ def add_params_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _at_least(option: str, value: int | None, minimum: int) -> None:
+def at_least(option: str, value: int | None, minimum: int) -> None:
+    """A one-line FacepipeError when a numeric option is below ``minimum`` (None: not given)."""
     if value is not None and value < minimum:
         raise FacepipeError(f"{option} must be >= {minimum}, got {value}")
 
@@ -74,7 +75,8 @@ def _sample_data(args: argparse.Namespace) -> int:
 
 
 # --- prepare, compact, import --------------------------------------------------------------------
-def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
+def prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    """``prepare``'s arguments; ``python -m flows.prepare`` takes the same ones."""
     parser.add_argument("raw", type=Path, metavar="RAW", help="folder with one sub-folder per identity")
     parser.add_argument("out", type=Path, metavar="OUT", help="shard set to write (replaced atomically)")
     add_params_argument(parser)
@@ -91,7 +93,7 @@ def _prepare_arguments(parser: argparse.ArgumentParser) -> None:
 def _prepare(args: argparse.Namespace) -> int:
     from facepipe.stages import prepare
 
-    _at_least("--workers", args.workers, 1)
+    at_least("--workers", args.workers, 1)
     report = prepare.run(
         load_section(args.params, "prepare"), args.raw, args.out, update=args.update, workers=args.workers,
         scheduler_address=args.scheduler_address, device=args.device,
@@ -127,7 +129,7 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
 def _import(args: argparse.Namespace) -> int:
     from facepipe.stages import import_data, prepare
 
-    _at_least("--workers", args.workers, 1)
+    at_least("--workers", args.workers, 1)
     report = import_data.run(load_section(args.params, "prepare"), args.source, args.out, workers=args.workers)
     print(prepare.summary_line(report).replace("prepare:", "import:", 1))
     return 0
@@ -240,7 +242,7 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     from facepipe.stages import train
 
-    _at_least("--max-steps", args.max_steps, 1)
+    at_least("--max-steps", args.max_steps, 1)
     report = train.run(
         load_section(args.params, "train"), args.prepared, args.out, identities=args.identities, max_steps=args.max_steps,
         fresh=args.fresh,
@@ -321,7 +323,7 @@ def _weights(args: argparse.Namespace) -> int:
 #: Every sub-command, in the order ``--help`` lists them.
 COMMANDS: tuple[Command, ...] = (
     Command("sample-data", "write a small offline raw face dataset (OUT/<identity>/<image>)", _sample_data_arguments, _sample_data),
-    Command("prepare", "raw face photos -> aligned faces in LMDB shards", _prepare_arguments, _prepare),
+    Command("prepare", "raw face photos -> aligned faces in LMDB shards", prepare_arguments, _prepare),
     Command("compact", "rewrite a grown shard set (prepare --update) into the canonical layout", _compact_arguments, _compact),
     Command(
         "import", "insightface train.rec/.idx pack or folder of aligned faces -> shard set (no detection)",

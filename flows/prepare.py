@@ -163,23 +163,15 @@ def task_runner(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from facepipe.cli import at_least, prepare_arguments
+
     parser = argparse.ArgumentParser(prog="python -m flows.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("raw")
-    parser.add_argument("out")
-    parser.add_argument("--params", default=None, help="params file (default: params.yaml, all defaults if absent)")
-    parser.add_argument("--workers", type=int, default=None)
-    parser.add_argument("--scheduler-address", default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument(
-        "--update", nargs="?", const=True, default=False, choices=["auto"], metavar="auto",
-        help="grow OUT by one generation (as facepipe prepare --update [auto])",
-    )
+    prepare_arguments(parser)  # the arguments of facepipe prepare, declared once
     parser.add_argument("-v", "--verbose", action="store_true", help="Dask's and Prefect's INFO logs on the console too")
     args = parser.parse_args(argv)
     configure_console(verbose=args.verbose)
     try:
-        if args.workers is not None and args.workers < 1:
-            raise FacepipeError(f"--workers must be >= 1, got {args.workers}")
+        at_least("--workers", args.workers, 1)
         run_prepare_flow(
             args.raw, args.out, params_file=args.params, workers=args.workers,
             scheduler_address=args.scheduler_address, device=args.device, verbose=args.verbose, update=args.update,

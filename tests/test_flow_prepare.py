@@ -134,6 +134,7 @@ def test_flow_rejects_bad_input_before_starting_anything(tmp_path, capsys, monke
     for argv, message in (
         ([str(tmp_path / "missing"), str(tmp_path / "out")], "raw folder not found"),
         ([str(tmp_path / "raw"), str(tmp_path / "out"), "--params", str(tmp_path / "bad.yaml")], "unknown key 'prepare.min_face_sise'"),
+        ([str(tmp_path / "raw"), str(tmp_path / "out"), "--update", "auto", "--workers", "0"], "--workers must be >= 1, got 0"),
     ):
         assert flow_module.main(argv) == 2
         err = capsys.readouterr().err
