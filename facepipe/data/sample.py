@@ -10,6 +10,14 @@ perspective), placed on a random background, relit, blurred, noised and encoded.
 from ``numpy.random.default_rng`` streams keyed by ``(seed, what, identity, image)``, so the same
 seed gives byte-identical files, and identity ``k`` does not depend on how many identities are made.
 
+**The same bytes on every machine.** Pixel arithmetic is kept on code paths that do not depend on the
+CPU: OpenCV runs with its run-time SIMD dispatch off (:func:`cpu_independent`: the baseline code every
+x86-64 build runs), transcendental functions are evaluated in float64 (numpy's AVX2 and AVX-512 float32
+``exp`` need not agree in the last bit, and a float32 last bit flips a rounded byte now and then), and
+no float32 product goes through BLAS (whose kernel OpenBLAS picks by CPU: FMA or not). Elementwise
+``+ - * /`` are correctly rounded IEEE operations on every CPU. ``tests/test_sample_determinism.py``
+generates under every dispatch level this machine can switch off and compares the bytes.
+
 The output is the LFW layout ``OUT/<identity>/<identity>_NNNN.<ext>`` and nothing else. File formats
 and modes vary on purpose (PNG, BMP, WebP, grey, RGBA, CMYK, an EXIF-rotated JPEG, 16-bit PNG), and
 ``bad_files`` adds one file of each kind a raw crawl contains (see :data:`BAD_KINDS`).
@@ -19,7 +27,8 @@ from __future__ import annotations
 
 import importlib
 import io
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -144,6 +153,28 @@ class SampleReport:
         return f"{c['identities']} identities, {c['images']} images, {c['bad_files']} bad files in {self.out}"
 
 
+@contextmanager
+def cpu_independent() -> Iterator[None]:
+    """OpenCV without its run-time CPU dispatch (AVX2, AVX-512, ...) inside the block, restored after.
+
+    OpenCV picks SIMD kernels for float filters, warps and resizes by CPU at run time, and they round
+    differently; with optimisations off every machine runs the same baseline code (and IPP is off too).
+    The flag is process-wide: other threads' OpenCV calls run slower, never differently, meanwhile.
+    """
+    previous = cv2.useOptimized()
+    cv2.setUseOptimized(False)
+    try:
+        yield
+    finally:
+        cv2.setUseOptimized(previous)
+
+
+def _luma(rgb: np.ndarray) -> np.ndarray:
+    """ITU-R 601 luma of [..., 3] pixels as elementwise products and sums in a fixed order: a matrix
+    product would go through BLAS, whose kernel (and so whose rounding) depends on the CPU."""
+    return rgb[..., 0] * 0.299 + rgb[..., 1] * 0.587 + rgb[..., 2] * 0.114
+
+
 # ---------------------------------------------------------------------------------------------- bases
 
 
@@ -246,10 +277,10 @@ def _deform(
     rgb: np.ndarray, alpha: np.ndarray, lm: np.ndarray, geometry: dict[str, float]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Apply the identity's smooth warp; returns the warped image, alpha and [5, 2] landmarks."""
-    yy, xx = np.mgrid[0:CANON_H, 0:CANON_W].astype(np.float32)
+    yy, xx = np.mgrid[0:CANON_H, 0:CANON_W].astype(np.float64)  # float64: exp below (module docstring)
     ux, uy = _displacement(xx, yy, lm, geometry)
     # Backward map: the pixel at p comes from p - u(p) (first order inverse of "content moves by u").
-    map_x, map_y = xx - ux, yy - uy
+    map_x, map_y = (xx - ux).astype(np.float32), (yy - uy).astype(np.float32)
     rgb = cv2.remap(rgb, map_x, map_y, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT)
     alpha = cv2.remap(alpha, map_x, map_y, cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=0)
     # Forward landmarks: solve q - u(q) = p by fixed point iteration (u is smooth and small).
@@ -276,15 +307,15 @@ def _recolour(rgb: np.ndarray, alpha: np.ndarray, lm: np.ndarray, colours: dict[
     img = rgb.astype(np.float32)
     face = _face_mask(lm)[..., None]
     eye_y = float(lm[:2, 1].mean())
-    yy = np.arange(CANON_H, dtype=np.float32)[:, None, None]
-    above = 1.0 / (1.0 + np.exp((yy - (eye_y - 25.0)) / 8.0))  # smooth "above the brows"
-    below = 1.0 / (1.0 + np.exp(-(yy - (lm[3:, 1].mean() + 75.0)) / 8.0))  # below the chin
+    yy = np.arange(CANON_H, dtype=np.float64)[:, None, None]  # float64: exp (module docstring)
+    above = (1.0 / (1.0 + np.exp((yy - (eye_y - 25.0)) / 8.0))).astype(np.float32)  # smooth "above the brows"
+    below = (1.0 / (1.0 + np.exp(-(yy - (lm[3:, 1].mean() + 75.0)) / 8.0))).astype(np.float32)  # below the chin
     hair = np.clip(alpha[..., None] * above * (1.0 - face), 0, 1)
     clothes = np.clip(alpha[..., None] * below * (1.0 - face), 0, 1)
     skin = img * np.asarray(colours["skin_gain"], np.float32)
     img = img * (1 - face) + skin * face
     # Tint by luminance so that texture (strands, folds) survives the colour change.
-    luma = img @ np.array([0.299, 0.587, 0.114], np.float32)
+    luma = _luma(img)
     for region, key in ((hair, "hair"), (clothes, "clothes")):
         tinted = luma[..., None] * (np.asarray(colours[key], np.float32) / 128.0)
         img = img * (1 - region * 0.8) + tinted * region * 0.8
@@ -578,6 +609,7 @@ def _sample_looks(rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, A
     return colours, acc
 
 
+@cpu_independent()
 def make_identity(index: int, *, seed: int) -> Identity:
     """Identity ``index`` for ``seed``: a deformed, recoloured, accessorised variant of base ``index % 2``."""
     rng = np.random.default_rng([seed, 1, index])
@@ -740,6 +772,7 @@ def _relight(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
+@cpu_independent()
 def render_image(
     identity: Identity, rng: np.random.Generator, *, min_side: int, max_side: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -810,7 +843,7 @@ def encode(rgb: np.ndarray, kind: str, rng: np.random.Generator) -> bytes:
         exif[0x0112] = orientation
         return _save(pil.transpose(_EXIF_STORE[orientation]), "JPEG", quality=quality, exif=exif.tobytes())
     if kind == "png16":
-        grey = rgb.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+        grey = _luma(rgb.astype(np.float64))
         return _save(Image.fromarray(np.round(grey * 257.0).astype(np.uint16)), "PNG", compress_level=6)
     raise ValueError(f"unknown image kind {kind!r}")
 
@@ -893,6 +926,7 @@ def _check_output(out: Path) -> None:
         raise FacepipeError(f"output folder is not empty: {out} (remove it or choose another path)")
 
 
+@cpu_independent()
 def make_sample_dataset(
     out: str | Path, params: SampleDataParams, *, progress: Callable[[int], None] | None = None
 ) -> SampleReport:
@@ -933,6 +967,7 @@ __all__ = [
     "Identity",
     "SampleImage",
     "SampleReport",
+    "cpu_independent",
     "encode",
     "make_identity",
     "make_sample_dataset",
