@@ -367,9 +367,14 @@ def test_channels_last_backbone_trains_like_the_default_layout() -> None:
     for trainer in trainers:  # one step: rounding differences grow chaotically over steps of batch 4
         trainer.train_step([(images, torch.tensor([0, 1, 2, 0]))])
     losses = [trainer.collect_stats()["loss"] for trainer in trainers]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] != losses[1]
+    # The two layouts run different convolution kernels, and which ones depends on the CPU: this tiny
+    # model's embeddings (BatchNorm over 4 samples amplifies rounding) differ by 4.6e-5 relative on an AMD
+    # EPYC (AVX2; 5.5e-5 with ATEN_CPU_CAPABILITY=default), its loss by 1.0e-5 to 1.2e-5 (1 or 2 threads),
+    # its weights after the step by up to 3.3e-4 of the tensor's largest (+ 1e-3), less on an AVX-512
+    # Xeon. A layout bug (a wrong permutation) moves the loss by > 1e-2.
+    assert losses[0] == pytest.approx(losses[1], rel=5e-4) and losses[0] != losses[1]
     plain, last = (t.module.backbone for t in trainers)
     convs = [p for p in last.parameters() if p.dim() == 4]
     assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
     for (name, a), b in zip(plain.state_dict().items(), last.state_dict().values()):
-        assert (a.double() - b.double()).abs().max() <= 1e-4 * a.double().abs().max() + 1e-6, name
+        assert (a.double() - b.double()).abs().max() <= 2e-3 * a.double().abs().max() + 1e-6, name

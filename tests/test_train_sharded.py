@@ -151,11 +151,19 @@ def test_torchrun_sharded_run_equals_the_dense_run(tmp_path) -> None:  # type: i
         results[parallel] = (losses, load_weights(out / "backbone.pt"), checkpoint)
     (dense_losses, dense_backbone, dense_state), (losses, backbone, state) = results["dense"], results["sharded"]
     assert len(losses) == 3
-    assert losses == pytest.approx(dense_losses, rel=1e-5)
+    # The first step sees the same weights: the losses differ only by the order of the sharded softmax's
+    # sums (2e-8 measured). Later steps train on weights that differ by float32 rounding, which these
+    # tiny BatchNorm models amplify chaotically: on an AMD EPYC the sharded run's step 3 differed from
+    # the dense one by 1.2e-4 relative, while the *dense* run alone differed by 2.4e-3 at step 3
+    # between ATEN_CPU_CAPABILITY=default and the CPU's own kernels (and sharded vs dense by 1e-7
+    # there). So 1e-3 is rounding, not sharding; the sharded head's exactness is held to float64 by
+    # test_sharded_head_trains_like_the_dense_head_and_checkpoints_all_centres above (float64, 1e-9).
+    assert losses[0] == pytest.approx(dense_losses[0], rel=1e-6)
+    assert losses[1:] == pytest.approx(dense_losses[1:], rel=1e-3)
     for name, value in dense_backbone.items():
-        torch.testing.assert_close(backbone[name], value, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(backbone[name], value, rtol=1e-3, atol=1e-5, msg=name)
     assert state["head"]["weight"].shape == dense_state["head"]["weight"].shape  # all centres, gathered
-    torch.testing.assert_close(state["head"]["weight"], dense_state["head"]["weight"], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(state["head"]["weight"], dense_state["head"]["weight"], rtol=1e-3, atol=1e-5)
 
 
 # --- Partial FC: sample_rate < 1 (2 gloo processes, float64) ---------------------------------------------
