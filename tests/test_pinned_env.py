@@ -95,10 +95,44 @@ def test_dvc_dir_md5_is_what_dvc_computes(tmp_path):
     assert (out["md5"], out["nfiles"]) == dvc_dir_md5(raw)
 
 
+@pytest.fixture(scope="module")
+def sample_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    raw = tmp_path_factory.mktemp("sample") / "raw"
+    make_sample_dataset(raw, load_section(REPO / "params.yaml", "sample_data"))
+    return raw
+
+
 @pytest.mark.slow
-def test_the_sample_data_of_this_install_is_what_data_raw_dvc_records(tmp_path):
+def test_the_sample_data_of_this_install_is_what_data_raw_dvc_records(sample_raw):
     """`facepipe sample-data` with params.yaml gives exactly the committed data/raw.dvc (the folder
-    `make demo` then prepares, whose results dvc.lock records)."""
+    `make demo` then prepares, whose results dvc.lock records), on any CPU (README: Reproducibility)."""
     recorded = yaml.safe_load((REPO / "data" / "raw.dvc").read_text())["outs"][0]
-    make_sample_dataset(tmp_path / "raw", load_section(REPO / "params.yaml", "sample_data"))
-    assert dvc_dir_md5(tmp_path / "raw") == (recorded["md5"], recorded["nfiles"])
+    assert dvc_dir_md5(sample_raw) == (recorded["md5"], recorded["nfiles"])
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_prepare_and_split_of_the_sample_data_give_the_committed_lineage_where_bytes_are_promised(
+    sample_raw, tmp_path
+):
+    """What the README promises across machines, against the committed dvc.lock: prepare's decisions
+    (labels.json, hence every accepted file's identity; the split that only labels feed) are the same
+    bytes on any CPU. The aligned pixels, so the shard files and the manifest's shard hashes, are not
+    promised (detection and alignment kernels depend on the CPU) and are not compared."""
+    from facepipe.stages import prepare, split
+
+    lock = yaml.safe_load((REPO / "dvc.lock").read_text())["stages"]
+    split_deps = {dep["path"]: dep for dep in lock["split"]["deps"]}
+    report = prepare.run(
+        load_section(REPO / "params.yaml", "prepare"), sample_raw, tmp_path / "prepared", workers=2, progress=False
+    )
+    assert _md5(tmp_path / "prepared" / "labels.json") == split_deps["data/prepared/labels.json"]["md5"]
+    counts = report["counts"]
+    assert (counts["scanned"], counts["accepted"], counts["rejected"]) == (327, 317, 10)
+    split.run(load_section(REPO / "params.yaml", "split"), tmp_path / "prepared", tmp_path / "split")
+    recorded = lock["split"]["outs"][0]
+    assert dvc_dir_md5(tmp_path / "split") == (recorded["md5"], recorded["nfiles"])
