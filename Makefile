@@ -15,7 +15,7 @@ export NO_ALBUMENTATIONS_UPDATE := 1
 export DVC_NO_ANALYTICS := 1
 PYTEST_ARGS ?=
 
-.PHONY: install browser sample-data demo test test-fast bench clean-demo mutants lock
+.PHONY: install browser sample-data demo test test-baseline-kernels test-fast bench clean-demo mutants lock
 
 # The whole environment is pinned (constraints.txt: pip freeze of a fresh install), so two installs
 # resolve the same versions and `facepipe sample-data` writes the same bytes (data/raw.dvc's hash).
@@ -67,6 +67,18 @@ browser:
 
 test: install browser
 	python -m pytest -q $(PYTEST_ARGS)
+
+# The tests whose results depend on which arithmetic kernels the CPU selects (README: Reproducibility
+# across machines), run again with every library held to its baseline kernels: what a machine with an
+# older or another CPU computes. CI runs it after `make test`.
+BASELINE_KERNELS := OPENCV_CPU_DISABLE=AVX512_SKX,AVX512_COMMON,AVX512F,AVX2,FMA3,FP16,AVX,POPCNT,SSE4_2,SSE4_1,SSSE3 \
+	NPY_DISABLE_CPU_FEATURES="$$(python -c 'from numpy._core._multiarray_umath import __cpu_features__ as f, __cpu_dispatch__ as d; print(" ".join(k for k in d if f.get(k)))')" \
+	OPENBLAS_CORETYPE=Prescott JSIMD_FORCENONE=1 ATEN_CPU_CAPABILITY=default
+KERNEL_TESTS := tests/test_sample_determinism.py tests/test_pinned_env.py tests/test_gpu_readiness.py \
+	tests/test_train_sharded.py tests/test_retinaface.py tests/test_detection.py tests/test_alignment.py tests/test_prepare.py
+
+test-baseline-kernels: install
+	$(BASELINE_KERNELS) python -m pytest -q $(KERNEL_TESTS) $(PYTEST_ARGS)
 
 test-fast: install
 	python -m pytest -q -m "not slow and not multiprocess" $(PYTEST_ARGS)
