@@ -140,17 +140,33 @@ def build_head(params: TrainParams, *, num_classes: int) -> nn.Module:
 
 
 def data_fingerprint(dataset: FaceDataset) -> str:
-    """Identifies the training data: the shard files' hashes and the classes trained on."""
+    """Identifies the training data: the shard files' hashes, the records a grown set excludes from
+    them, and the classes trained on.
+
+    Exclusions belong to it: an update that only deletes photos keeps every shard file and adds
+    exclusions, and the samples read are then others. A set without exclusions hashes as before, so
+    checkpoints of earlier versions on such sets still resume.
+    """
     digest = hashlib.sha256()
     digest.update(json.dumps([s["sha256"] for s in dataset.shards.manifest["shards"]]).encode())
     digest.update(json.dumps(dataset.class_names).encode())
+    excluded = dataset.shards.excluded
+    if excluded:
+        digest.update(json.dumps({file: indexes.tolist() for file, indexes in excluded.items()}).encode())
     return digest.hexdigest()
 
 
 def check_resumable(
-    state: dict[str, Any], *, params: TrainParams, fingerprint: str, source: Path, effective_batch: int | None = None
+    state: dict[str, Any],
+    *,
+    params: TrainParams,
+    fingerprint: str,
+    num_samples: int,
+    source: Path,
+    effective_batch: int | None = None,
 ) -> None:
-    """A checkpoint may continue this run only if it trained the same thing on the same data.
+    """A checkpoint may continue this run only if it trained the same thing on the same data (the
+    same fingerprint and the same number of samples).
 
     ``batch_size`` and ``accum_steps`` may differ when this run's ``effective_batch`` (samples per
     optimizer step, all processes) equals the checkpoint's: the same steps, laid out differently.
@@ -172,9 +188,16 @@ def check_resumable(
             f"{source} was written with other train params ({', '.join(changed)}; e.g. {first}: "
             f"{saved.get(first)!r} -> {wanted.get(first)!r}); remove {source.parent} or run with --fresh"
         )
+    saved_samples = state["data"].get("num_samples")
+    if saved_samples != num_samples:
+        raise FacepipeError(
+            f"{source} was trained on other data ({saved_samples} samples, now {num_samples});"
+            f" remove {source.parent} or run with --fresh"
+        )
     if state["data"]["fingerprint"] != fingerprint:
         raise FacepipeError(
-            f"{source} was trained on other data (shards or identities differ); remove {source.parent} or run with --fresh"
+            f"{source} was trained on other data (shards, excluded samples or identities differ);"
+            f" remove {source.parent} or run with --fresh"
         )
 
 
@@ -459,7 +482,12 @@ def _resume(
         return None
     latest, state = found
     check_resumable(
-        state, params=params, fingerprint=fingerprint, source=Path(latest), effective_batch=trainer.plan.effective_batch
+        state,
+        params=params,
+        fingerprint=fingerprint,
+        num_samples=num_samples,
+        source=Path(latest),
+        effective_batch=trainer.plan.effective_batch,
     )
     trainer.load_checkpoint_state(state, source=str(latest))
     log.info("resuming from %s (step %d, epoch %d)", latest, trainer.state.step, trainer.state.epoch)
