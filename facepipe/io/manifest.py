@@ -8,6 +8,7 @@ run reads it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,9 +22,27 @@ from facepipe.io.shards import SET_FORMAT, SET_VERSION, ShardInfo, ShardReader, 
 HASHED_FILES = ("labels.json", "rejects.jsonl")
 #: One JSON line per scanned entry, in scan order: ``{"path", "sha256", "reason", "sample", "size",
 #: "mtime_ns", "generation"}`` (``sample``: stored index of its record, None for a reject). What
-#: ``prepare --update`` compares RAW against and ``compact`` rebuilds from. Not hashed by the manifest:
-#: sizes and modification times are this machine's (the manifest stays the same on every machine).
+#: ``prepare --update`` compares RAW against and ``compact`` rebuilds from. The manifest records the
+#: sha256 of its lines without sizes and modification times (:class:`SourcesDigest`, under
+#: :data:`SOURCES_KEY`): those are this machine's hints, and the manifest stays the same on every machine.
 SOURCES_FILE = "sources.jsonl"
+#: The manifest key of :class:`SourcesDigest`'s hash of sources.jsonl.
+SOURCES_KEY = "sources_sha256"
+
+
+class SourcesDigest:
+    """sha256 over what sources.jsonl says of each file that is the same on every machine (path, sha256,
+    reason, sample, generation), line by line; a reader recomputes it before trusting the file."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def add(self, path: str, sha256: str | None, reason: str | None, sample: int | None, generation: int) -> None:
+        # NUL never occurs in a path, a hex digest, a reason code or a number: the fields cannot run together
+        self._digest.update(f"{path}\0{sha256}\0{reason}\0{sample}\0{generation}\n".encode())
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def dumps(obj: Any) -> str:

@@ -24,7 +24,7 @@ from facepipe.data.extract import Outcome, process_chunk, warm_up, with_scan_rej
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
-from facepipe.io.manifest import SOURCES_FILE, build_manifest, dumps, reject_line, write_metadata
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, build_manifest, dumps, reject_line, write_metadata
 from facepipe.io.records import encode_record
 from facepipe.io.shards import SET_FORMAT, ShardInfo, ShardWriter
 from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
@@ -115,6 +115,7 @@ class SetBuilder:
         self.writer = ShardWriter(new_shards, samples_per_shard=params.samples_per_shard)
         self.rejects = open(root / "rejects.jsonl", "w")
         self.sources = open(root / SOURCES_FILE, "w")
+        self.sources_digest = SourcesDigest()
         self.stats: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) taken before it was read
         self.identities: list[str] = list(self.base.identities)
         self.labels: dict[str, int] = {name: label for label, name in enumerate(self.identities)}
@@ -191,6 +192,7 @@ class SetBuilder:
         line = {"path": path, "sha256": sha256, "reason": reason, "sample": sample, "generation": generation,
                 "size": size, "mtime_ns": mtime_ns}
         self.sources.write(json.dumps(line, sort_keys=True, ensure_ascii=False) + "\n")
+        self.sources_digest.add(path, sha256, reason, sample, generation)
 
     def finish(self, scanned: int, *, processed: int | None = None, removed: int = 0, excluded: dict[str, list[int]] | None = None) -> dict[str, Any]:
         """Close shards and write labels.json and, last, manifest.json; returns the manifest.
@@ -239,6 +241,7 @@ class SetBuilder:
             generations=[*self.base.generations] if self.unchanged else [*self.base.generations, generation],
         )
         manifest["rejected_by_reason"] = dict(sorted(self.reasons.items()))
+        manifest[SOURCES_KEY] = self.sources_digest.hexdigest()
         return write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
 
     def abort(self) -> None:
