@@ -148,7 +148,7 @@ def _inspect_arguments(parser: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from facepipe.io.atomic import OutputKind, check_output
+    from facepipe.io.atomic import OutputKind, check_apart, check_output
     from facepipe.stages import inspect
 
     if args.html is not None:
@@ -156,6 +156,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
         if args.raw is not None and not args.raw.is_dir():
             raise FacepipeError(f"raw folder not found: {args.raw}")
+        # as for every output: never inside an input (the next prepare would scan it, or refuse the set)
+        check_apart(args.html, {"shard set": args.root, **({"raw folder": args.raw} if args.raw is not None else {})})
+        if args.html.suffix.lower() not in (".html", ".htm"):
+            raise FacepipeError(f"the report is an HTML page: give a FILE ending in .html, not {args.html}")
         print(f"wrote the data-quality report of {args.root} to {write_report(args.root, args.html, raw=args.raw)}")
         return 0
     if args.dump is not None:

@@ -117,6 +117,24 @@ def test_inspect_html_cli(prepared, tmp_path, capsys):
     assert mine.read_text() == "<html>my notes</html>"  # a file facepipe did not write is never replaced
 
 
+def test_inspect_html_never_writes_into_an_input(prepared, tmp_path, capsys):
+    """--html follows the rules of every other output: never inside RAW (the next prepare would scan
+    it) or the shard set (prepare would then refuse to replace it); and only a page named .html."""
+    raw, out, _ = prepared
+    before = {p: p.read_bytes() for root in (raw, out) for p in sorted(root.rglob("*")) if p.is_file()}
+    first_identity = next(p for p in sorted(raw.iterdir()) if p.is_dir())
+    for target, expected in (
+        (first_identity / "report.html", f"the output {first_identity / 'report.html'} lies inside the raw folder {raw}"),
+        (out / "shards" / "x.html", f"the output {out / 'shards' / 'x.html'} lies inside the shard set {out}"),
+        (tmp_path / "cron.daily", f"the report is an HTML page: give a FILE ending in .html, not {tmp_path / 'cron.daily'}"),
+    ):
+        capsys.readouterr()
+        assert main(["inspect", str(out), "--html", str(target), "--raw", str(raw)]) == 2
+        assert capsys.readouterr().err.strip() == f"facepipe inspect: error: {expected}"
+        assert not target.exists()
+    assert {p: p.read_bytes() for root in (raw, out) for p in sorted(root.rglob("*")) if p.is_file()} == before
+
+
 # --- in the browser --------------------------------------------------------------------------------
 
 
