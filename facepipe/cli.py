@@ -241,6 +241,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop after N optimizer steps in all (checkpointed; the schedule stays the full run's)",
     )
     parser.add_argument("--fresh", action="store_true", help="delete old checkpoints instead of resuming")
+    parser.add_argument(
+        "--trust-unverified-checkpoint",
+        action="store_true",
+        help="resume from a version-1 checkpoint, which has no checksum to verify (default: refused)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -249,7 +254,7 @@ def _train(args: argparse.Namespace) -> int:
     at_least("--max-steps", args.max_steps, 1)
     report = train.run(
         load_section(args.params, "train"), args.prepared, args.out, identities=args.identities, max_steps=args.max_steps,
-        fresh=args.fresh,
+        fresh=args.fresh, trust_unverified=args.trust_unverified_checkpoint,
     )
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary, from rank 0
         print(train.summary_line(report))

@@ -395,3 +395,23 @@ def test_resume_refuses_a_set_an_update_only_shrank(tmp_path):
     assert [step for step, _ in list_checkpoints(out / "checkpoints")] == [1]
     report = run(train, prepared, out, max_steps=1, fresh=True, model_factory=linear_model)
     assert report.resumed_from_step is None and report.num_samples == 13
+
+
+def test_train_resumes_from_a_version_1_checkpoint_only_when_asked_to(finished_run, shard_set, tmp_path, capsys):
+    """``facepipe train`` refuses a checkpoint without a checksum in one line (exit 2) and resumes from
+    it with --trust-unverified-checkpoint."""
+    repo, _, params = finished_run
+    out = tmp_path / "model"
+    shutil.copytree(repo / "model", out)
+    path = latest_checkpoint(out / "checkpoints")
+    state = torch.load(path, weights_only=True)
+    del state["checksum"]
+    atomic_save({**state, "version": 1}, path)
+    params_file = write_params(tmp_path / "params.yaml", epochs=2, checkpoint_every=4, keep_checkpoints=3)
+    argv = ["train", str(shard_set), str(out), "--params", str(params_file)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"facepipe train: error: checkpoint {path} is version 1, written before checksums") and err.count("\n") == 1
+    assert main([*argv, "--trust-unverified-checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("trained 12/12 steps")

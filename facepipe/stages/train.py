@@ -218,12 +218,14 @@ def run(
     max_steps: int | None = None,
     fresh: bool = False,
     model_factory: ModelFactory | None = None,
+    trust_unverified: bool = False,
 ) -> TrainReport:
     """Train on the shard set ``prepared`` (optionally only ``identities``), writing into ``out``.
 
     ``max_steps`` stops after that many optimizer steps in all (checkpointing there) without
     changing the schedule, which stays that of the full run; ``fresh`` deletes old checkpoints
-    instead of resuming from them. Call it once per process; under torchrun every rank calls it.
+    instead of resuming from them; ``trust_unverified`` lets a version-1 checkpoint (no checksum)
+    be resumed from. Call it once per process; under torchrun every rank calls it.
     """
     check_output(out, kind=MODEL_FOLDER, sources={"shard set": prepared})
     context = init_distributed(params.device)
@@ -239,6 +241,7 @@ def run(
             max_steps=max_steps,
             fresh=fresh,
             model_factory=model_factory or build_model,
+            trust_unverified=trust_unverified,
         )
     finally:
         shutdown(context)
@@ -254,6 +257,7 @@ def _train(
     max_steps: int | None,
     fresh: bool,
     model_factory: ModelFactory,
+    trust_unverified: bool = False,
 ) -> TrainReport:
     """One run, in order: data, plan, model and head, resume, loader, the loop, the model folder."""
     started = time.perf_counter()
@@ -266,7 +270,13 @@ def _train(
     trainer = _make_trainer(model, params, plan, context)
     fingerprint = data_fingerprint(dataset)
     resumed_from = _resume(
-        trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, num_samples=len(dataset), fresh=fresh
+        trainer,
+        out / CHECKPOINT_DIR,
+        params=params,
+        fingerprint=fingerprint,
+        num_samples=len(dataset),
+        fresh=fresh,
+        trust_unverified=trust_unverified,
     )
     if context.is_main:
         remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
@@ -465,7 +475,14 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
 
 
 def _resume(
-    trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerprint: str, num_samples: int, fresh: bool
+    trainer: Trainer,
+    checkpoints: Path,
+    *,
+    params: TrainParams,
+    fingerprint: str,
+    num_samples: int,
+    fresh: bool,
+    trust_unverified: bool = False,
 ) -> int | None:
     """Load the newest checkpoint (rank 0 picks it; all ranks must hold the same one and the same data);
     returns its step, or None for a new run."""
@@ -477,7 +494,7 @@ def _resume(
             log.info("--fresh: removing the checkpoints in %s", checkpoints)
             remove_checkpoints(checkpoints)
     data = {"data fingerprint": fingerprint[:16], "samples": num_samples}
-    found = agreed_resume_point(checkpoints, context, fresh=fresh, data=data)
+    found = agreed_resume_point(checkpoints, context, fresh=fresh, data=data, unverified_ok=trust_unverified)
     if found is None:
         return None
     latest, state = found
