@@ -1,9 +1,12 @@
 """``facepipe compact OUT``: rewrite a set of several generations into the canonical layout.
 
-The result is what a from-scratch ``prepare`` of the same RAW with the same params writes: the same
-manifest.json, labels.json, rejects.jsonl and shard files, byte for byte. Live records are copied
-(not decoded again) in scan order (sources.jsonl) through the same :class:`SetBuilder` a prepare
-uses; excluded records are dropped. Labels are renumbered into the canonical order (first accepted
+Against a from-scratch ``prepare`` of the same RAW with the same params: the same labels.json,
+rejects.jsonl and sources.jsonl byte for byte, the same manifest but for the shards' sha256 and
+sizes, the same records in the same order. Live records are copied (not decoded again) in scan order
+(sources.jsonl) through the same :class:`SetBuilder` a prepare uses; excluded records are dropped.
+A record is the one the grown set holds: where an update detected a face in another batch than a
+from-scratch run would, a real detector's output differs in the last bits, and so may the pixels
+(README, Growing a dataset; ``detector: none`` gives the same shard bytes). Labels are renumbered into the canonical order (first accepted
 file of each identity in scan order), so a model trained on the old numbering needs the mapping that
 the report's ``relabel`` gives ({old label: new label}; identities with no live sample drop out).
 

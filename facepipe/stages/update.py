@@ -14,8 +14,9 @@ recorded sha256 (an earlier I/O error, a file over the size limit) is read again
 reused only while an unchanged file before it (sorted order) holds the same bytes.
 
 Outcomes are the same as a from-scratch prepare of RAW would give, file by file (same accept or
-reject, reason and detail); only the layout (shards, exclusions) and the labels' order differ, and
-:mod:`facepipe.stages.compact` rewrites that into the canonical layout.
+reject, reason and detail); the layout (shards, exclusions) and the labels' order differ, and
+:mod:`facepipe.stages.compact` rewrites that into the canonical layout. A file rewritten with the
+same size and modification time is not seen (the hint says unchanged): only a full prepare reads it.
 """
 
 from __future__ import annotations
