@@ -298,3 +298,21 @@ def test_prefect_prepare_flow_links_the_report(prepared, tmp_path):
     assert len(links) == 1 and links[0].type == "markdown"
     assert f"]({(flow_out / REPORT_FILE).as_uri()})" in links[0].data
     assert (flow_out / REPORT_FILE).read_bytes() == (out / REPORT_FILE).read_bytes()
+
+
+def test_a_file_named_like_the_cross_identity_mark_is_counted_by_its_identity(tmp_path):
+    """The report tells a cross-identity duplicate by the identities of the two paths, not by the end
+    of a detail string: a file named ``a (another identity)`` copied within its identity is not one."""
+    from test_update import PARAMS, face, run, write
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, {"id0/a (another identity)": face(1), "id0/b.jpg": face(1), "id1/c.jpg": face(1), "id1/d.jpg": face(2)})
+    run(raw, out, params=PARAMS)
+    details = {r["path"]: r["detail"] for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    assert details == {
+        "id0/b.jpg": "same bytes as id0/a (another identity)",
+        "id1/c.jpg": "same bytes as id0/a (another identity) (another identity)",
+    }
+    data = collect(out)
+    assert data.cross_duplicates == 1
+    assert [(kept.path, copy.path) for kept, copy in data.duplicate_pairs] == [("id0/a (another identity)", "id1/c.jpg")]

@@ -111,6 +111,34 @@ def reject_line(reject: Mapping[str, Any]) -> str:
     return json.dumps(dict(reject), sort_keys=True, ensure_ascii=False) + "\n"
 
 
+_SAME_BYTES = "same bytes as "
+_CROSS_MARK = " (another identity)"
+
+
+def _identity(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+def duplicate_detail(first: str, path: str) -> str:
+    """The detail of ``path``'s ``duplicate`` reject: it holds the bytes of the earlier ``first``;
+    marked when the two are of different identities."""
+    return _SAME_BYTES + first + (_CROSS_MARK if _identity(first) != _identity(path) else "")
+
+
+def duplicate_of(detail: str, path: str) -> tuple[str, bool] | None:
+    """Inverse of :func:`duplicate_detail`: (first path, whether it is of another identity), or None
+    for a detail it does not write. Decided by the reading that :func:`duplicate_detail` gives back,
+    never by the end of the text alone: a file may itself be named ``a (another identity)``."""
+    if not detail.startswith(_SAME_BYTES):
+        return None
+    named = detail[len(_SAME_BYTES) :]
+    readings = ([named[: -len(_CROSS_MARK)]] if named.endswith(_CROSS_MARK) else []) + [named]
+    for first in readings:
+        if duplicate_detail(first, path) == detail:
+            return first, _identity(first) != _identity(path)
+    return None
+
+
 def metadata_problems(shard_set: ShardSet) -> list[str]:
     """The cheap checks of a set (no record is read): hashes of labels.json and rejects.jsonl, counts
     against shards and rejects, and each shard's size, sample count and label index against the
