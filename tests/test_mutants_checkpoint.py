@@ -309,3 +309,30 @@ def test_rng_states_restore_every_generator(tmp_path):
     again = (torch.rand(3), np.random.normal(size=3), np.random.rand(2), random.random(), random.gauss(0, 1))
     assert torch.equal(expected[0], again[0]) and np.array_equal(expected[1], again[1]) and np.array_equal(expected[2], again[2])
     assert expected[3:] == again[3:]
+
+
+def test_describe_names_the_file_step_and_recorded_checksum():
+    assert checkpoint._describe(None, None) == "no checkpoint (a new run)"
+    assert checkpoint._describe("a/step-00000001.pt", None) == "no checkpoint (a new run)"
+    assert checkpoint._describe(None, {"step": 1}) == "no checkpoint (a new run)"
+    assert checkpoint._describe("a/step-00000001.pt", {"step": 1, "checksum": "f" * 64}) == "step-00000001.pt (step 1, sha256 ffffffffffffffff)"
+    unrecorded = {"step": 2}
+    assert checkpoint._describe("step-00000002.pt", unrecorded) == f"step-00000002.pt (step 2, sha256 {state_checksum(unrecorded)[:16]})"
+
+
+def test_rank_0_reads_its_checkpoint_once_and_other_ranks_honour_the_opt_in(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, state(4), step=4, keep=5)
+    loads = []
+    real = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path, **kw: loads.append(path) or real(path, **kw))
+    assert agreed_resume_point(tmp_path, ONE, fresh=False, data={})[1]["step"] == 4
+    assert len(loads) == 1
+    atomic_save(state(5, version=1), tmp_path / "step-00000005.pt")
+    gathered = []
+    monkeypatch.setattr(checkpoint, "broadcast_object", lambda obj, context: (str(tmp_path / "step-00000005.pt"), None))
+    monkeypatch.setattr(checkpoint, "all_gather_objects", lambda facts, context: gathered.append(facts) or [facts])
+    rank1 = Distributed(rank=1, local_rank=1, world_size=1, device=CPU)
+    path, loaded = agreed_resume_point(tmp_path, rank1, fresh=False, data={}, unverified_ok=True)
+    assert loaded["step"] == 5 and gathered[-1]["resumes from"].startswith("step-00000005.pt (step 5, sha256 ")
+    agreed_resume_point(tmp_path, rank1, fresh=False, data={})
+    assert gathered[-1]["resumes from"].startswith(f"cannot use it: checkpoint {tmp_path}/step-00000005.pt is version 1")
