@@ -330,3 +330,28 @@ def test_compact_checks_each_line_against_the_records_and_rejects(tmp_path):
     with pytest.raises(FacepipeError) as error:
         compact.run(out, progress=False)
     assert str(error.value) == "compact: rejects.jsonl and sources.jsonl disagree at 'id9/extra.jpg': see facepipe verify"
+
+
+def test_walk_feeds_every_file_in_scan_order_and_refuses_extra_outcomes(tmp_path):
+    from facepipe.data.scan import scan_raw
+    from facepipe.stages import prepare
+    from facepipe.stages.prepare import SetBuilder
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    (raw / "id0" / "1.jpg").write_bytes(face(901))
+    items = scan_raw(raw)
+    plan = update.plan_update(out, PARAMS, items, raw=raw, manifest_params=json.loads((out / "manifest.json").read_text())["params"])
+    outcomes = prepare.process_chunks([[item.path for item in plan.todo]], str(raw), PARAMS, "cpu")[0]
+    (tmp_path / "tmp" / "shards").mkdir(parents=True)  # link_shards into a folder that has its shards/ already
+    link_shards(plan.base, tmp_path / "tmp")
+    builder = SetBuilder(tmp_path / "tmp", PARAMS, base=prepare._base(plan))
+    try:
+        assert list(plan.walk(builder, items, iter(outcomes))) == [1]
+        assert builder.accepted == 9 and builder.written == 1 and sorted(builder.kept) == [0, 2, 3, 4, 5, 6, 7, 8]
+        with pytest.raises(RuntimeError) as error:
+            list(plan.walk(builder, items, iter([*outcomes, outcomes[0]])))
+        assert str(error.value) == "the workers returned more outcomes than files to process"
+    finally:
+        builder.abort()
