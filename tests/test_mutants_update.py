@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -279,7 +280,9 @@ def test_compact_refusals_and_summary(tmp_path):
     (out / "manifest.json").write_text("[]")
     assert refusal() == f"compact: manifest.json of {out} is not a JSON object"
     (out / "manifest.json").write_text(json.dumps(manifest))
+    started = time.perf_counter()
     report = compact.run(out, progress=False)
+    assert 0 <= report["timings_s"]["total"] <= time.perf_counter() - started
     assert compact.summary_line(report) == (
         "compact: 2 generation(s) -> 1; 9 samples of 4 identities in 3 shard(s), 2 rejects; 1 excluded record(s)"
         " dropped; labels renumbered (report.json: relabel)"
