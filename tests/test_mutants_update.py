@@ -288,6 +288,8 @@ def test_compact_refusals_and_summary(tmp_path):
         " dropped; labels renumbered (report.json: relabel)"
     )
     assert report["relabel"] == {"0": 0, "1": 1, "2": 2, "3": 3} and report["generation"] == 0
+    assert report["rejected_by_reason"] == {"duplicate": 1, "empty_file": 1} and report["num_identities"] == 4
+    assert (report["num_shards"], report["compacted_generations"], report["dropped_records"]) == (3, 2, 1)
     assert report["payload_bytes"] == sum(len(ShardSet(out).record(i).payload) for i in range(9))
     assert report["shard_bytes"] == sum(p.stat().st_size for p in (out / "shards").iterdir())
     assert json.loads((out / "report.json").read_text())["counts"] == {"scanned": 11, "accepted": 9, "rejected": 2}
