@@ -168,6 +168,14 @@ def test_place_and_link_shards(tmp_path):
     assert placed == [ShardInfo("shard-00002.lmdb", 3, "a" * 64, 10, 16), ShardInfo("shard-00003.lmdb", 1, "b" * 64, 4, 16)]
     assert (tmp_path / "shards" / "shard-00002.lmdb").read_bytes() == b"shard-00000.lmdb"
     assert not (tmp_path / NEW_SHARDS).exists()
+    (tmp_path / NEW_SHARDS).mkdir()
+    (tmp_path / NEW_SHARDS / "shard-00000.lmdb").write_bytes(b"new")
+    with pytest.raises(RuntimeError) as error:
+        place_new_shards(infos[:1], root=tmp_path, first=3)
+    assert str(error.value) == (
+        f"shard shard-00003.lmdb already exists in {tmp_path / 'shards'}: the base set's shards are not numbered 0..2"
+    )
+    assert (tmp_path / NEW_SHARDS / "shard-00000.lmdb").read_bytes() == b"new"
     raw, out = tmp_path / "raw", tmp_path / "out"
     write(raw, V1)
     run(raw, out)
