@@ -368,3 +368,16 @@ def test_walk_feeds_every_file_in_scan_order_and_refuses_extra_outcomes(tmp_path
         assert str(error.value) == "the workers returned more outcomes than files to process"
     finally:
         builder.abort()
+
+
+def test_a_scan_reject_with_the_same_detail_is_reused(tmp_path):
+    """A link out of RAW is the scan's own reject: an update with nothing changed reuses it (same reason
+    and detail), reads nothing and adds no generation."""
+    raw, out, outside = tmp_path / "raw", tmp_path / "out", tmp_path / "outside.jpg"
+    write(raw, V1)
+    outside.write_bytes(face(77))
+    os.symlink(outside, raw / "id1" / "link.jpg")
+    run(raw, out)
+    assert any(json.loads(line)["reason"] == "outside_raw_root" for line in (out / "rejects.jsonl").read_text().splitlines())
+    report = run(raw, out, update=True)
+    assert report["files"] == {"reused": len(V1) + 1, "processed": 0, "removed": 0}
