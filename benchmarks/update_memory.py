@@ -20,6 +20,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from facepipe.io.manifest import SourcesDigest
+
 PROBE = """
 import json, re, sys, time
 from pathlib import Path
@@ -28,7 +30,7 @@ def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 before = rss()
 started = time.perf_counter()
-entries = read_sources(Path(sys.argv[1]))
+entries = read_sources(Path(sys.argv[1]), expected=sys.argv[2])
 print(json.dumps({"seconds": time.perf_counter() - started, "rss_growth": rss() - before, "entries": len(entries)}))
 """
 
@@ -55,8 +57,8 @@ def write_files(raw: Path, files: int) -> None:
         (identity / f"id{i // 8:07d}_{i % 8:04d}.jpg").touch()
 
 
-def measure(probe: str, target: Path, repeats: int, files: int, what: str) -> None:
-    runs = [json.loads(subprocess.run([sys.executable, "-c", probe, str(target)], check=True, capture_output=True, text=True).stdout)
+def measure(probe: str, target: Path, repeats: int, files: int, what: str, *args: str) -> None:
+    runs = [json.loads(subprocess.run([sys.executable, "-c", probe, str(target), *args], check=True, capture_output=True, text=True).stdout)
             for _ in range(repeats)]
     assert all(r["entries"] >= files for r in runs), runs
     growth = sorted(r["rss_growth"] for r in runs)[len(runs) // 2]
@@ -64,8 +66,10 @@ def measure(probe: str, target: Path, repeats: int, files: int, what: str) -> No
     print(f"{what}: {seconds:.1f} s, resident +{growth / 2**30:.2f} GiB ({growth / files:.0f} bytes a file); medians of {repeats}")
 
 
-def write_sources(path: Path, files: int) -> None:
+def write_sources(path: Path, files: int) -> str:
+    """Writes the file; returns the hash the manifest would record of it (``SOURCES_KEY``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    digest = SourcesDigest()
     with open(path, "w", encoding="utf-8") as handle:
         for i in range(files):
             identity = f"id{i // 8:07d}"
@@ -73,6 +77,8 @@ def write_sources(path: Path, files: int) -> None:
                     "reason": "low_score" if i % 31 == 0 else None, "sample": None if i % 31 == 0 else i,
                     "sha256": hashlib.sha256(str(i).encode()).hexdigest(), "size": 98_401 + i}
             handle.write(json.dumps(line, sort_keys=True) + "\n")
+            digest.add(line["path"], line["sha256"], line["reason"], line["sample"], line["generation"])
+    return digest.hexdigest()
 
 
 def main() -> None:
@@ -86,8 +92,9 @@ def main() -> None:
         raise SystemExit(f"{args.root} exists: choose another --root (this script deletes what it writes)")
     try:
         path = args.root / "sources.jsonl"
-        write_sources(path, args.files)
-        measure(PROBE, path, args.repeats, args.files, f"{args.files:,} files, reading sources.jsonl ({path.stat().st_size / 2**20:.0f} MiB)")
+        expected = write_sources(path, args.files)
+        size = path.stat().st_size / 2**20
+        measure(PROBE, path, args.repeats, args.files, f"{args.files:,} files, reading sources.jsonl ({size:.0f} MiB)", expected)
         if args.scan:
             write_files(args.root / "raw", args.files)
             measure(SCAN_PROBE, args.root / "raw", args.repeats, args.files, f"{args.files:,} files, scan_raw + file_stats")

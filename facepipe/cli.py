@@ -148,7 +148,7 @@ def _inspect_arguments(parser: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     import json
 
-    from facepipe.io.atomic import OutputKind, check_output
+    from facepipe.io.atomic import OutputKind, check_apart, check_output
     from facepipe.stages import inspect
 
     if args.html is not None:
@@ -156,6 +156,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
         if args.raw is not None and not args.raw.is_dir():
             raise FacepipeError(f"raw folder not found: {args.raw}")
+        # as for every output: never inside an input (the next prepare would scan it, or refuse the set)
+        check_apart(args.html, {"shard set": args.root, **({"raw folder": args.raw} if args.raw is not None else {})})
+        if args.html.suffix.lower() not in (".html", ".htm"):
+            raise FacepipeError(f"the report is an HTML page: give a FILE ending in .html, not {args.html}")
         print(f"wrote the data-quality report of {args.root} to {write_report(args.root, args.html, raw=args.raw)}")
         return 0
     if args.dump is not None:
@@ -237,6 +241,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop after N optimizer steps in all (checkpointed; the schedule stays the full run's)",
     )
     parser.add_argument("--fresh", action="store_true", help="delete old checkpoints instead of resuming")
+    parser.add_argument(
+        "--trust-unverified-checkpoint",
+        action="store_true",
+        help="resume from a version-1 checkpoint, which has no checksum to verify (default: refused)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -245,7 +254,7 @@ def _train(args: argparse.Namespace) -> int:
     at_least("--max-steps", args.max_steps, 1)
     report = train.run(
         load_section(args.params, "train"), args.prepared, args.out, identities=args.identities, max_steps=args.max_steps,
-        fresh=args.fresh,
+        fresh=args.fresh, trust_unverified=args.trust_unverified_checkpoint,
     )
     if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary, from rank 0
         print(train.summary_line(report))

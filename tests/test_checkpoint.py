@@ -78,3 +78,31 @@ def test_undecodable_class_names_are_a_one_line_error(tmp_path):
     path = save_checkpoint(tmp_path, state, step=3, keep=1)
     with pytest.raises(FacepipeError, match=r"class_names is not a list of names: .*step-00000003\.pt"):
         load_checkpoint(Path(path))
+
+
+def test_a_version_1_checkpoint_without_a_checksum_loads_only_when_asked_to(tmp_path, caplog):
+    """A file marked version 1 has no checksum to verify: refused in one line (and left where it is,
+    not set aside as corrupt) unless the caller opts in; a checksum it does carry is verified."""
+    from facepipe.training.checkpoint import UnverifiedCheckpoint, latest_good_checkpoint
+
+    crafted = tiny_state(version=1, class_names=NAMES)
+    path = atomic_save(crafted, tmp_path / "step-00000003.pt")
+    expected = (
+        f"checkpoint {path} is version 1, written before checksums: it cannot be verified; resume from it"
+        " with --trust-unverified-checkpoint only if you know where it came from, or run with --fresh"
+    )
+    with pytest.raises(UnverifiedCheckpoint) as error:
+        load_checkpoint(path)
+    assert str(error.value) == expected
+    with pytest.raises(UnverifiedCheckpoint):
+        latest_good_checkpoint(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003.pt"]
+    with caplog.at_level("WARNING", logger="facepipe.training"):
+        assert load_checkpoint(path, unverified_ok=True)["class_names"] == NAMES
+    assert any("loading it unverified" in r.getMessage() for r in caplog.records)
+    found = latest_good_checkpoint(tmp_path, unverified_ok=True)
+    assert found is not None and found[0] == path and found[1]["step"] == 3
+    wrong = {**crafted, "checksum": "0" * 64}  # version 1 with a checksum: verified like any other
+    atomic_save(wrong, path)
+    with pytest.raises(FacepipeError, match="checkpoint corrupt"):
+        load_checkpoint(path, unverified_ok=True)

@@ -93,12 +93,14 @@ def test_help_lists_the_commands_in_the_released_order(capsys):
         (["split", "{tmp}", "{tmp}/out", "--params", "{tmp}/none.yaml"], "facepipe split: error: "),
         (["inspect", "{tmp}", "--html", "{tmp}/r.html", "--raw", "{tmp}/missing"], "facepipe inspect: error: raw folder not found"),
         (["inspect", "{tmp}", "--dump", "{tmp}/d", "--limit", "-1"], "facepipe inspect: error: --limit must be >= 0"),
+        (["weights", "fetch", "retinaface", "--cache", "{tmp}/cache-file"], "facepipe weights: error: the weights cache {tmp}/cache-file is not a folder"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    (tmp_path / "cache-file").write_text("")  # a file where a folder is expected (the weights cache)
     assert main([word.format(tmp=tmp_path) for word in argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1, err
+    assert err.startswith(message.format(tmp=tmp_path)) and err.count("\n") == 1, err
 
 
 def test_usage_errors_exit_2(capsys):

@@ -420,7 +420,8 @@ def test_a_set_aside_output_is_recovered_when_the_next_run_gets_the_same_pid(sha
     out = tmp_path / "split"
     split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, out)
     first = snapshot(out)
-    out.rename(tmp_path / f".split.old-{os.getpid()}")  # what the killed run with our PID left
+    atomic.mark(out)  # what the killed run with our PID left: its marker, then the rename
+    out.rename(tmp_path / f".split.old-{os.getpid()}")
     atomic.check_output(out, kind=split.SPLIT_OUTPUT)
     assert snapshot(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["split"]
 
@@ -434,3 +435,43 @@ def test_a_foreign_folder_in_the_set_aside_name_is_never_deleted(shard_set, tmp_
     with pytest.raises(FacepipeError, match="in the way"):
         split.run(SplitParams(val_identities=2, num_pairs=8, seed=1), shard_set, out)
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def _users_folder(path: Path) -> dict[str, bytes]:
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    return snapshot(path)
+
+
+def test_folders_named_like_leftovers_are_never_taken_by_name(shard_set, tmp_path, capsys):
+    """Leftovers are recognised by facepipe's marker inside and a dead PID, not by name: a user's
+    ``.E.partial-999999`` survives export-rec, a user's ``.G.old-999999`` is not renamed to a missing G,
+    and a user's folder with this process's temporary name is refused in one line, untouched."""
+    from facepipe.stages import export_rec
+
+    rec = tmp_path / "rec"
+    partial = tmp_path / ".rec.partial-999999"
+    kept = _users_folder(partial)
+    export_rec.run(shard_set, rec, progress=False)
+    assert snapshot(partial) == kept and (rec / "train.rec").is_file()
+    old = tmp_path / ".split.old-999999"
+    kept = _users_folder(old)
+    split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, tmp_path / "split")
+    assert snapshot(old) == kept and not (tmp_path / "split" / "notes.txt").exists()
+    ours = tmp_path / f".split2.partial-{os.getpid()}"
+    kept = _users_folder(ours)
+    with pytest.raises(FacepipeError, match=r"^.*\.split2\.partial-\d+ is in the way of replacing .*split2.*: move it$"):
+        split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, tmp_path / "split2")
+    assert snapshot(ours) == kept and not (tmp_path / "split2").exists()
+
+
+def test_a_marker_a_killed_run_left_in_the_published_output_is_removed_by_the_next(shard_set, tmp_path):
+    """Killed between the rename into place and the marker's removal: the output is still its kind
+    (the marker is tolerated), and the next run drops the marker."""
+    out = tmp_path / "split"
+    split.run(SplitParams(val_identities=2, num_pairs=8, seed=0), shard_set, out)
+    first = snapshot(out)
+    (out / atomic.MARKER).write_text(json.dumps({"format": "facepipe-temporary-folder", "pid": 999999}))
+    assert split.SPLIT_OUTPUT.foreign(out) is None
+    atomic.check_output(out, kind=split.SPLIT_OUTPUT)
+    assert snapshot(out) == first

@@ -117,6 +117,24 @@ def test_inspect_html_cli(prepared, tmp_path, capsys):
     assert mine.read_text() == "<html>my notes</html>"  # a file facepipe did not write is never replaced
 
 
+def test_inspect_html_never_writes_into_an_input(prepared, tmp_path, capsys):
+    """--html follows the rules of every other output: never inside RAW (the next prepare would scan
+    it) or the shard set (prepare would then refuse to replace it); and only a page named .html."""
+    raw, out, _ = prepared
+    before = {p: p.read_bytes() for root in (raw, out) for p in sorted(root.rglob("*")) if p.is_file()}
+    first_identity = next(p for p in sorted(raw.iterdir()) if p.is_dir())
+    for target, expected in (
+        (first_identity / "report.html", f"the output {first_identity / 'report.html'} lies inside the raw folder {raw}"),
+        (out / "shards" / "x.html", f"the output {out / 'shards' / 'x.html'} lies inside the shard set {out}"),
+        (tmp_path / "cron.daily", f"the report is an HTML page: give a FILE ending in .html, not {tmp_path / 'cron.daily'}"),
+    ):
+        capsys.readouterr()
+        assert main(["inspect", str(out), "--html", str(target), "--raw", str(raw)]) == 2
+        assert capsys.readouterr().err.strip() == f"facepipe inspect: error: {expected}"
+        assert not target.exists()
+    assert {p: p.read_bytes() for root in (raw, out) for p in sorted(root.rglob("*")) if p.is_file()} == before
+
+
 # --- in the browser --------------------------------------------------------------------------------
 
 
@@ -280,3 +298,21 @@ def test_prefect_prepare_flow_links_the_report(prepared, tmp_path):
     assert len(links) == 1 and links[0].type == "markdown"
     assert f"]({(flow_out / REPORT_FILE).as_uri()})" in links[0].data
     assert (flow_out / REPORT_FILE).read_bytes() == (out / REPORT_FILE).read_bytes()
+
+
+def test_a_file_named_like_the_cross_identity_mark_is_counted_by_its_identity(tmp_path):
+    """The report tells a cross-identity duplicate by the identities of the two paths, not by the end
+    of a detail string: a file named ``a (another identity)`` copied within its identity is not one."""
+    from test_update import PARAMS, face, run, write
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, {"id0/a (another identity)": face(1), "id0/b.jpg": face(1), "id1/c.jpg": face(1), "id1/d.jpg": face(2)})
+    run(raw, out, params=PARAMS)
+    details = {r["path"]: r["detail"] for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+    assert details == {
+        "id0/b.jpg": "same bytes as id0/a (another identity)",
+        "id1/c.jpg": "same bytes as id0/a (another identity) (another identity)",
+    }
+    data = collect(out)
+    assert data.cross_duplicates == 1
+    assert [(kept.path, copy.path) for kept, copy in data.duplicate_pairs] == [("id0/a (another identity)", "id1/c.jpg")]

@@ -364,3 +364,54 @@ def test_a_bare_yaml_off_means_amp_off(tmp_path):
     """YAML 1.1 reads `amp: off` (and `dvc exp run -S train.amp=off`) as false."""
     (tmp_path / "params.yaml").write_text("train:\n  amp: off\n")
     assert load_section(tmp_path / "params.yaml", "train").amp == "off"
+
+
+def test_resume_refuses_a_set_an_update_only_shrank(tmp_path):
+    """An update that only deletes photos keeps every shard file (its records are excluded): the
+    checkpoint's data must still differ (sample count, exclusions) and resuming is refused in one line."""
+    from test_update import face, in_process, write
+
+    from facepipe.config import PrepareParams
+    from facepipe.data.dataset import FaceDataset
+    from facepipe.stages import prepare
+    from facepipe.stages.train import data_fingerprint
+
+    raw, prepared, out = tmp_path / "raw", tmp_path / "prepared", tmp_path / "model"
+    params = PrepareParams(detector="none", image_size=16, samples_per_shard=8, chunk_size=4, max_pixels=1_000_000)
+    write(raw, {f"id{i}/{j}.jpg": face(10 * i + j) for i in range(4) for j in range(4)})
+    prepare.run(params, raw, prepared, submit=in_process(raw, params), workers=1, progress=False)
+    train = tiny_params(epochs=2)
+    assert run(train, prepared, out, max_steps=1, model_factory=linear_model).num_samples == 16
+    shards = {p.name: p.read_bytes() for p in (prepared / "shards").iterdir()}
+    before = data_fingerprint(FaceDataset(prepared))
+    for name in ("id0/3.jpg", "id1/3.jpg", "id2/3.jpg"):
+        (raw / name).unlink()
+    prepare.run(params, raw, prepared, update=True, submit=in_process(raw, params), workers=1, progress=False)
+    assert {p.name: p.read_bytes() for p in (prepared / "shards").iterdir()} == shards  # the same shard files
+    assert data_fingerprint(FaceDataset(prepared)) != before  # the exclusions are part of it
+    with pytest.raises(FacepipeError, match=r"^.*step-00000001.pt was trained on other data \(16 samples, now 13\)") as error:
+        run(train, prepared, out, max_steps=2, model_factory=linear_model)
+    assert "\n" not in str(error.value)
+    assert [step for step, _ in list_checkpoints(out / "checkpoints")] == [1]
+    report = run(train, prepared, out, max_steps=1, fresh=True, model_factory=linear_model)
+    assert report.resumed_from_step is None and report.num_samples == 13
+
+
+def test_train_resumes_from_a_version_1_checkpoint_only_when_asked_to(finished_run, shard_set, tmp_path, capsys):
+    """``facepipe train`` refuses a checkpoint without a checksum in one line (exit 2) and resumes from
+    it with --trust-unverified-checkpoint."""
+    repo, _, params = finished_run
+    out = tmp_path / "model"
+    shutil.copytree(repo / "model", out)
+    path = latest_checkpoint(out / "checkpoints")
+    state = torch.load(path, weights_only=True)
+    del state["checksum"]
+    atomic_save({**state, "version": 1}, path)
+    params_file = write_params(tmp_path / "params.yaml", epochs=2, checkpoint_every=4, keep_checkpoints=3)
+    argv = ["train", str(shard_set), str(out), "--params", str(params_file)]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"facepipe train: error: checkpoint {path} is version 1, written before checksums") and err.count("\n") == 1
+    assert main([*argv, "--trust-unverified-checkpoint"]) == 0
+    assert capsys.readouterr().out.startswith("trained 12/12 steps")

@@ -402,3 +402,117 @@ def test_new_shards_never_replace_a_base_shard(tmp_path):
         place_new_shards([ShardInfo("shard-00000.lmdb", 1, "0" * 64, 0, 3)], root=tmp_path, first=1)
     assert (tmp_path / "shards" / "shard-00001.lmdb").read_bytes() == b"base"
     assert (tmp_path / NEW_SHARDS / "shard-00000.lmdb").read_bytes() == b"new"
+
+
+def _tampered(lines: list[str]) -> dict[str, list[str]]:
+    """sources.jsonl as a hostile or unlucky user leaves it: each a file prepare never writes."""
+    entries = [json.loads(line) for line in lines]
+    a, b = [i for i, e in enumerate(entries) if e["sample"] is not None][:2]
+
+    def edited(changes: dict[int, dict]) -> list[str]:
+        return [json.dumps({**e, **changes.get(i, {})}, sort_keys=True) for i, e in enumerate(entries)]
+
+    return {
+        "a line removed": [line for i, line in enumerate(lines) if i != b],
+        "two samples swapped": edited({a: {"sample": entries[b]["sample"]}, b: {"sample": entries[a]["sample"]}}),
+        "a sha256 copied": edited({b: {"sha256": entries[a]["sha256"]}}),
+        "sample null": edited({a: {"sample": None}}),
+        "sample 'x'": edited({a: {"sample": "x"}}),
+    }
+
+
+def test_a_sources_file_that_prepare_did_not_write_is_refused_and_auto_prepares_in_full(tmp_path):
+    """The manifest holds the hash of sources.jsonl's lines (without sizes and times): a removed line,
+    swapped samples, a copied sha256, a sample of null or "x" are each refused by the update in one line
+    (nothing changed), found by verify, refused by compact; ``--update auto`` prepares in full."""
+    raw, out, fresh = tmp_path / "raw", tmp_path / "out", tmp_path / "fresh"
+    write(raw, V1)
+    run(raw, out)
+    run(raw, fresh)
+    intact = (out / "sources.jsonl").read_text().splitlines()
+    for what, lines in _tampered(intact).items():
+        (out / "sources.jsonl").write_text("\n".join(lines) + "\n")
+        before = files_of(out)
+        with pytest.raises(FacepipeError, match=r"^--update: .*sources.jsonl is inconsistent \(.*\): run a full prepare") as error:
+            run(raw, out, update=True)
+        assert "\n" not in str(error.value), what
+        assert files_of(out) == before, what
+        problems = verify(out)
+        assert problems and all("\n" not in p for p in problems) and any("sources.jsonl" in p for p in problems), what
+        with pytest.raises(FacepipeError, match=r"^compact: .*sources.jsonl") as error:
+            compact.run(out, progress=False)
+        assert files_of(out) == before, what
+        report = run(raw, out, update="auto")
+        assert report["files"]["processed"] == len(V1), what
+        for name in CANONICAL:
+            assert (out / name).read_bytes() == (fresh / name).read_bytes(), (what, name)
+        assert verify(out) == []
+
+
+def test_verify_finds_sources_lines_that_disagree_with_the_shards(tmp_path):
+    """A sources.jsonl consistent with its hash but not with the records (the hash recomputed by hand)."""
+    from facepipe.io.manifest import SOURCES_KEY, SourcesDigest
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    lines = (out / "sources.jsonl").read_text().splitlines()
+    swapped = _tampered(lines)["two samples swapped"]
+    digest = SourcesDigest()
+    for line in swapped:
+        e = json.loads(line)
+        digest.add(e["path"], e["sha256"], e["reason"], e["sample"], e["generation"])
+    (out / "sources.jsonl").write_text("\n".join(swapped) + "\n")
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, SOURCES_KEY: digest.hexdigest()}))
+    first, second = (json.loads(line) for line in swapped if json.loads(line)["sample"] in (0, 1))
+    assert verify(out) == [
+        f"sources.jsonl: {first['path']!r} at sample {first['sample']}, sha256 {first['sha256'][:12]}; the shards:"
+        f" sample {second['sample']}, sha256 {first['sha256'][:12]}",
+        f"sources.jsonl: {second['path']!r} at sample {second['sample']}, sha256 {second['sha256'][:12]}; the shards:"
+        f" sample {first['sample']}, sha256 {second['sha256'][:12]}",
+    ]
+
+
+def test_compact_of_a_set_grown_with_mtcnn_gives_what_the_readme_states(tmp_path):
+    """With a real detector a grown set's compact is not byte-identical to a from-scratch prepare: a
+    face detected in another batch gets landmarks that differ in the last bits (MTCNN's batched
+    arithmetic), and its aligned JPEG differs slightly. What compact does guarantee (README, Growing a
+    dataset), checked exactly: labels.json, rejects.jsonl and sources.jsonl byte-identical; the manifest
+    identical but for the shards' sha256 and sizes; the same records in the same order with the same
+    header (landmarks within 0.01 px, score within 1e-4); decoded pixels within 8 levels, in at most 5 %
+    of the pixels."""
+    from facepipe.io.records import decode_image
+    from rawdata import TEST_PARAMS, astronaut, hopper, make_faces_raw, save, variant
+
+    raw, out, fresh = tmp_path / "raw", tmp_path / "out", tmp_path / "fresh"
+    params = PrepareParams(**TEST_PARAMS)
+    make_faces_raw(raw)
+    run(raw, out, params=params)
+    save(variant(astronaut(), angle=4), raw / "astro" / "0004.jpg", quality=91)
+    save(variant(hopper(), angle=-4), raw / "hopper" / "0004.jpg", quality=91)
+    run(raw, out, update=True, params=params)
+    compact.run(out, progress=False)
+    run(raw, fresh, params=params)
+    for name in ("labels.json", "rejects.jsonl", "sources.jsonl"):
+        assert (out / name).read_bytes() == (fresh / name).read_bytes(), name
+
+    def without_shard_bytes(root: Path) -> dict:
+        manifest = json.loads((root / "manifest.json").read_text())
+        return {**manifest, "shards": [{**s, "sha256": None, "bytes": None} for s in manifest["shards"]]}
+
+    assert without_shard_bytes(out) == without_shard_bytes(fresh)
+    compacted, scratch = ShardSet(out), ShardSet(fresh)
+    assert len(compacted) == len(scratch) == 9
+    differing = 0
+    for i in range(len(scratch)):
+        ours, theirs = compacted.record(i), scratch.record(i)
+        near = {"landmarks": 0.01, "score": 1e-4}
+        assert {k: v for k, v in ours.header.items() if k not in near} == {k: v for k, v in theirs.header.items() if k not in near}
+        assert np.abs(np.subtract(ours.header["landmarks"], theirs.header["landmarks"])).max() <= near["landmarks"]
+        assert abs(ours.header["score"] - theirs.header["score"]) <= near["score"]
+        pixels = np.abs(decode_image(ours.payload).astype(int) - decode_image(theirs.payload).astype(int))
+        assert pixels.max() <= 8 and (pixels > 0).mean() <= 0.05, (ours.header["path"], pixels.max(), (pixels > 0).mean())
+        differing += ours.payload != theirs.payload
+    assert differing <= 2  # the two faces the update detected; every other record is copied as it was
+    assert verify(out) == []

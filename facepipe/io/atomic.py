@@ -10,7 +10,10 @@ crashed or killed run never leaves an ``OUT`` that looks complete. Before that i
 
 Replacing renames the old ``OUT`` to ``.OUT.old-PID``, the new folder to ``OUT``, then deletes the old one.
 A run killed between those renames leaves ``OUT`` missing and the old set aside: the next run of any
-stage writing ``OUT`` puts it back (and removes leftovers of runs whose process is gone). Single files
+stage writing ``OUT`` puts it back (and removes leftovers of runs whose process is gone). Both kinds of
+sibling hold :data:`MARKER`, naming the PID, from before they get their name until they lose it: a
+folder is taken for such a leftover only when its PID is gone *and* it holds that marker, never by
+its name alone (a user's ``.OUT.partial-999999`` is left alone, or refused when in the way). Single files
 (checkpoints, weights) are written to ``.NAME.tmp-PID`` and renamed; :func:`remove_stale_temporaries`
 removes those a killed run left.
 """
@@ -38,6 +41,9 @@ PARTIAL = ".partial-"
 OLD = ".old-"
 TMP = ".tmp-"
 _STALE_TMP = re.compile(r"^\..+\.tmp-(\d+)$")
+#: The file facepipe writes into its temporary and set-aside folders: what makes one recognisably ours.
+MARKER = ".facepipe-temporary"
+_MARKER_FORMAT = "facepipe-temporary-folder"
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,8 @@ class OutputKind:
     def foreign(self, folder: Path) -> str | None:
         """Why ``folder`` is not an output of this kind (None: it is one, or empty)."""
         for rel, plain in _files(folder):
+            if rel == MARKER and _marked_by(folder) is not None:
+                continue  # a publish killed just after its rename left it
             if not plain:
                 return f"it holds {rel}, which is not a plain file or folder"
             if not any(fnmatchcase(rel, pattern) for pattern in self.patterns):
@@ -152,8 +160,34 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def mark(folder: Path) -> None:
+    """Write :data:`MARKER` naming this process into ``folder`` (a temporary or set-aside folder)."""
+    (folder / MARKER).write_text(json.dumps({"format": _MARKER_FORMAT, "pid": os.getpid()}))
+
+
+def _marked_by(folder: Path) -> int | None:
+    """The PID that :data:`MARKER` in ``folder`` names, else None (no marker, a link, other content)."""
+    marker = folder / MARKER
+    try:
+        if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 256:
+            return None
+        data = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or set(data) != {"format", "pid"} or data["format"] != _MARKER_FORMAT:
+        return None
+    pid = data["pid"]
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
+def _unmark(folder: Path) -> None:
+    if _marked_by(folder) is not None:
+        (folder / MARKER).unlink()
+
+
 def _dead_leftovers(out: Path, marker: str) -> list[Path]:
-    """Siblings ``.OUT<marker>PID`` whose process is gone (the ones of live runs are theirs).
+    """Siblings ``.OUT<marker>PID`` whose process is gone (the ones of live runs are theirs) and that
+    hold :data:`MARKER` naming that PID; a folder of that name without it is left alone, with a warning.
 
     This process's own PID counts as gone: it has not started on ``out`` yet when this runs, so such a
     sibling is a killed run's whose PID came back (in a container every run may get the same PID).
@@ -161,32 +195,36 @@ def _dead_leftovers(out: Path, marker: str) -> list[Path]:
     found = []
     for path in sorted(out.parent.glob(f".{out.name}{marker}*")):
         pid = path.name[len(out.name) + 1 + len(marker) :]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+        if not pid.isdigit() or (int(pid) != os.getpid() and _pid_alive(int(pid))):
+            continue
+        if not path.is_symlink() and path.is_dir() and _marked_by(path) == int(pid):
             found.append(path)
+        else:
+            log.warning("leaving %s: it is not a temporary folder facepipe wrote (no %s naming PID %s)", path, MARKER, pid)
     return found
 
 
 def remove_stale_partials(out: Path) -> None:
-    """Delete temporary siblings of ``out`` left by killed runs (their process is gone)."""
+    """Delete temporary siblings of ``out`` left by killed runs (their process is gone, their marker ours)."""
     for partial in _dead_leftovers(out, PARTIAL):
         log.info("removing %s left by an interrupted run", partial)
         shutil.rmtree(partial, ignore_errors=True)
 
 
 def recover_interrupted(out: Path, kind: OutputKind | None) -> None:
-    """Undo a publish killed between its renames: restore ``.OUT.old-PID`` when ``out`` is missing,
-    else delete it (a later publish finished) if it is positively ours."""
+    """Undo a publish killed between its renames: restore ``.OUT.old-PID`` (ours by its marker) when
+    ``out`` is missing, else delete it (a later publish finished); drop a marker a killed publish left in ``out``."""
     for old in _dead_leftovers(out, OLD):
         if not out.exists():
             log.warning("restoring %s from %s (a run was killed while replacing it)", out, old.name)
             old.rename(out)
-        elif not any(old.iterdir()) or (kind is not None and kind.foreign(old) is None):
+        else:
             log.info("removing %s left by an interrupted run", old)
             shutil.rmtree(old, ignore_errors=True)
-        elif old == _set_aside_name(out):
-            raise _in_the_way(old, out)
-        else:
-            log.warning("leaving %s: not recognisably a facepipe %s", old, kind.name if kind else "output")
+    if out.is_dir() and not out.is_symlink():
+        pid = _marked_by(out)
+        if pid is not None and (pid == os.getpid() or not _pid_alive(pid)):
+            _unmark(out)
 
 
 def _set_aside_name(out: Path) -> Path:
@@ -209,14 +247,21 @@ def publish(tmp: Path, out: Path, *, kind: OutputKind | None = None) -> None:
         old = _set_aside_name(out)
         if os.path.lexists(old):  # recover_interrupted put back or removed every one of ours: not ours
             raise _in_the_way(old, out)
-        out.rename(old)
+        mark(out)  # before the rename: the set-aside folder is recognisably ours from its first moment
+        try:
+            out.rename(old)
+        except BaseException:
+            _unmark(out)
+            raise
     try:
         _between_renames()
         tmp.rename(out)
     except BaseException:
         if old is not None and not out.exists():
             old.rename(out)
+            _unmark(out)
         raise
+    _unmark(out)  # tmp's marker
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -235,8 +280,10 @@ def atomic_output_dir(out: str | Path, *, kind: OutputKind | None = None) -> Ite
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_partials(out)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.lexists(tmp):  # remove_stale_partials removed ours (this PID counts as gone)
+            raise _in_the_way(tmp, out)
         tmp.mkdir()
+        mark(tmp)
     except OSError as error:
         raise FacepipeError(f"cannot write the output next to {out}: {error.strerror}") from None
     try:

@@ -8,6 +8,7 @@ run reads it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -21,9 +22,27 @@ from facepipe.io.shards import SET_FORMAT, SET_VERSION, ShardInfo, ShardReader, 
 HASHED_FILES = ("labels.json", "rejects.jsonl")
 #: One JSON line per scanned entry, in scan order: ``{"path", "sha256", "reason", "sample", "size",
 #: "mtime_ns", "generation"}`` (``sample``: stored index of its record, None for a reject). What
-#: ``prepare --update`` compares RAW against and ``compact`` rebuilds from. Not hashed by the manifest:
-#: sizes and modification times are this machine's (the manifest stays the same on every machine).
+#: ``prepare --update`` compares RAW against and ``compact`` rebuilds from. The manifest records the
+#: sha256 of its lines without sizes and modification times (:class:`SourcesDigest`, under
+#: :data:`SOURCES_KEY`): those are this machine's hints, and the manifest stays the same on every machine.
 SOURCES_FILE = "sources.jsonl"
+#: The manifest key of :class:`SourcesDigest`'s hash of sources.jsonl.
+SOURCES_KEY = "sources_sha256"
+
+
+class SourcesDigest:
+    """sha256 over what sources.jsonl says of each file that is the same on every machine (path, sha256,
+    reason, sample, generation), line by line; a reader recomputes it before trusting the file."""
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+
+    def add(self, path: str, sha256: str | None, reason: str | None, sample: int | None, generation: int) -> None:
+        # NUL never occurs in a path, a hex digest, a reason code or a number: the fields cannot run together
+        self._digest.update(f"{path}\0{sha256}\0{reason}\0{sample}\0{generation}\n".encode())
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
 
 
 def dumps(obj: Any) -> str:
@@ -90,6 +109,34 @@ def write_metadata(
 def reject_line(reject: Mapping[str, Any]) -> str:
     """One line of rejects.jsonl: ``{"detail", "path", "reason"}``."""
     return json.dumps(dict(reject), sort_keys=True, ensure_ascii=False) + "\n"
+
+
+_SAME_BYTES = "same bytes as "
+_CROSS_MARK = " (another identity)"
+
+
+def _identity(path: str) -> str:
+    return path.split("/", 1)[0]
+
+
+def duplicate_detail(first: str, path: str) -> str:
+    """The detail of ``path``'s ``duplicate`` reject: it holds the bytes of the earlier ``first``;
+    marked when the two are of different identities."""
+    return _SAME_BYTES + first + (_CROSS_MARK if _identity(first) != _identity(path) else "")
+
+
+def duplicate_of(detail: str, path: str) -> tuple[str, bool] | None:
+    """Inverse of :func:`duplicate_detail`: (first path, whether it is of another identity), or None
+    for a detail it does not write. Decided by the reading that :func:`duplicate_detail` gives back,
+    never by the end of the text alone: a file may itself be named ``a (another identity)``."""
+    if not detail.startswith(_SAME_BYTES):
+        return None
+    named = detail[len(_SAME_BYTES) :]
+    readings = ([named[: -len(_CROSS_MARK)]] if named.endswith(_CROSS_MARK) else []) + [named]
+    for first in readings:
+        if duplicate_detail(first, path) == detail:
+            return first, _identity(first) != _identity(path)
+    return None
 
 
 def metadata_problems(shard_set: ShardSet) -> list[str]:

@@ -26,6 +26,7 @@ from PIL import Image, ImageOps
 
 from facepipe.data.scan import read_raw_file, unescape_path
 from facepipe.io import ShardSet
+from facepipe.io.manifest import duplicate_of
 from facepipe.io.records import decode_header
 
 #: Reject reasons whose source is never opened for a thumbnail: nothing to see (folders, empty or
@@ -36,8 +37,6 @@ UNREAD_REASONS = frozenset({
 })
 _THUMB_MAX_BYTES = 64 << 20  # a source file larger than this is not read for a thumbnail
 _THUMB_MAX_PIXELS = 50_000_000  # nor one whose header promises more pixels
-_CROSS_MARK = " (another identity)"
-_SAME_BYTES = "same bytes as "
 
 
 @dataclass(frozen=True)
@@ -166,11 +165,11 @@ def _scan_rejects(
                 reason = reject["reason"]
                 reasons[reason] += 1
                 _reservoir(reservoirs.setdefault(reason, []), reject, seen=reasons[reason], size=limits.rejects_per_reason, rng=pick)
-                if reason == "duplicate" and reject["detail"].endswith(_CROSS_MARK):
+                copied = duplicate_of(reject["detail"], reject["path"]) if reason == "duplicate" else None
+                if copied is not None and copied[1]:
                     cross_total += 1
                     if len(cross) < limits.duplicates:
-                        first = reject["detail"][len(_SAME_BYTES) : -len(_CROSS_MARK)]
-                        cross.append((first, reject["path"]))
+                        cross.append((copied[0], reject["path"]))
     samples = {
         reason: [
             RejectSample(reason, r["detail"], thumbnail(raw, r["path"], reason=reason, size=limits.thumb_px))

@@ -1,9 +1,12 @@
 """``facepipe compact OUT``: rewrite a set of several generations into the canonical layout.
 
-The result is what a from-scratch ``prepare`` of the same RAW with the same params writes: the same
-manifest.json, labels.json, rejects.jsonl and shard files, byte for byte. Live records are copied
-(not decoded again) in scan order (sources.jsonl) through the same :class:`SetBuilder` a prepare
-uses; excluded records are dropped. Labels are renumbered into the canonical order (first accepted
+Against a from-scratch ``prepare`` of the same RAW with the same params: the same labels.json,
+rejects.jsonl and sources.jsonl byte for byte, the same manifest but for the shards' sha256 and
+sizes, the same records in the same order. Live records are copied (not decoded again) in scan order
+(sources.jsonl) through the same :class:`SetBuilder` a prepare uses; excluded records are dropped.
+A record is the one the grown set holds: where an update detected a face in another batch than a
+from-scratch run would, a real detector's output differs in the last bits, and so may the pixels
+(README, Growing a dataset; ``detector: none`` gives the same shard bytes). Labels are renumbered into the canonical order (first accepted
 file of each identity in scan order), so a model trained on the old numbering needs the mapping that
 the report's ``relabel`` gives ({old label: new label}; identities with no live sample drop out).
 
@@ -15,18 +18,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import atomic_output_dir
-from facepipe.io.manifest import SOURCES_FILE, dumps, metadata_problems
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, dumps, metadata_problems
 from facepipe.io.shards import SET_VERSION, ShardSet, ShardSetError
 from facepipe.progress import Progress
 from facepipe.quality import REPORT_FILE, write_report
 from facepipe.stages.prepare import SHARD_SET, Generation, SetBuilder
+from facepipe.stages.update import SourceEntry, source_entries
 
 
 def run(out: str | Path, *, progress: bool = True) -> dict[str, Any]:
@@ -36,18 +41,20 @@ def run(out: str | Path, *, progress: bool = True) -> dict[str, Any]:
     shard_set = _open(out)
     recorded = shard_set.manifest["params"]
     params = PrepareParams.model_validate({**recorded, "detector_weights": None})  # recorded below as it was
-    sources = _jsonl(out / SOURCES_FILE)
-    rejects = iter(_jsonl(out / "rejects.jsonl"))
+    scanned = shard_set.manifest["counts"]["scanned"]
     generations = len(shard_set.manifest["generations"])
     with atomic_output_dir(out, kind=SHARD_SET) as tmp:
         builder = SetBuilder(tmp, params, base=Generation(params=recorded))
-        builder.stats = {e["path"]: (e["size"], e["mtime_ns"]) for e in sources if e["size"] is not None}
         try:
-            with Progress(len(sources), desc="compact", enabled=progress) as bar:
-                for entry in sources:
+            # one line at a time: memory does not grow with sources.jsonl (the builder's own needs do)
+            with Progress(scanned, desc="compact", enabled=progress) as bar, open(out / "rejects.jsonl", encoding="utf-8") as rejects:
+                lines = 0
+                for entry in _sources(out, shard_set):
+                    builder.stats = {entry.path: (entry.size, entry.mtime_ns)}  # what the builder records
                     builder.add(_outcome(shard_set, entry, rejects))
+                    lines += 1
                     bar.update(1)
-            manifest = builder.finish(len(sources))
+            manifest = builder.finish(lines)
         except BaseException:
             builder.abort()
             raise
@@ -85,15 +92,18 @@ def _open(out: Path) -> ShardSet:
     return shard_set
 
 
-def _outcome(shard_set: ShardSet, entry: dict[str, Any], rejects: Any) -> Outcome:
-    """The outcome a from-scratch prepare had for ``entry``: its stored record, or its reject line."""
-    path, sha256 = entry["path"], entry["sha256"]
-    if entry["sample"] is None:
-        reject = next(rejects, None)
+def _outcome(shard_set: ShardSet, entry: SourceEntry, rejects: IO[str]) -> Outcome:
+    """The outcome a from-scratch prepare had for ``entry``: its stored record, or its reject line
+    (the next of ``rejects``, whose hash the manifest holds)."""
+    path, sha256 = entry.path, entry.sha256
+    if entry.sample is None:
+        reject = json.loads(next(rejects, "null"))
         if reject is None or reject["path"] != path:
             raise FacepipeError(f"compact: rejects.jsonl and {SOURCES_FILE} disagree at {path!r}: see facepipe verify")
         return Outcome(path, sha256, reason=reject["reason"], detail=reject["detail"])
-    stored = int(entry["sample"])
+    stored = entry.sample
+    if stored >= int(shard_set.offsets[-1]):
+        raise FacepipeError(f"compact: {SOURCES_FILE} places {path!r} at sample {stored}, past the set's end: see facepipe verify")
     shard = int(shard_set.offsets.searchsorted(stored, side="right") - 1)
     record = shard_set.readers[shard].record(stored - int(shard_set.offsets[shard]))
     if record.path != path:
@@ -102,12 +112,12 @@ def _outcome(shard_set: ShardSet, entry: dict[str, Any], rejects: Any) -> Outcom
     return Outcome(path, sha256, header=header, payload=record.payload)
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def _sources(out: Path, shard_set: ShardSet) -> Iterator[SourceEntry]:
+    """sources.jsonl's entries, checked (:func:`~facepipe.stages.update.source_entries`; the hash at the end)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-    except (OSError, ValueError) as error:
-        raise FacepipeError(f"compact: cannot read {path}: {error}") from None
+        yield from source_entries(out / SOURCES_FILE, expected=shard_set.manifest.get(SOURCES_KEY))
+    except FacepipeError as error:
+        raise FacepipeError(f"compact: {error}: run a full prepare") from None
 
 
 def summary_line(report: dict[str, Any]) -> str:

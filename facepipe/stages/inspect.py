@@ -12,9 +12,10 @@ from PIL import Image
 
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
-from facepipe.io.manifest import metadata_problems
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, metadata_problems
 from facepipe.io.records import Record, decode_image, unsafe_path_reason
 from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file
+from facepipe.stages.update import source_entries
 
 _SHOWN_PER_SHARD = 20  # record problems listed per shard; the rest are counted
 
@@ -122,16 +123,29 @@ def verify(root: str | Path) -> list[str]:
     shard_set = ShardSet(root)
     problems = metadata_problems(shard_set)
     seen: dict[str, str] = {}  # path -> where it was seen first
-    for entry, reader in zip(shard_set.manifest["shards"], shard_set.readers):
+    live: dict[str, tuple[int, Any]] = {}  # path -> (stored index, sha256) of each live record
+    for shard, (entry, reader) in enumerate(zip(shard_set.manifest["shards"], shard_set.readers)):
         if reader.path.is_file():
             excluded = set(map(int, shard_set.excluded.get(entry["file"], ())))  # removed by a later generation
-            problems += _verify_shard(entry, reader, identities=shard_set.identities, seen=seen, excluded=excluded)
+            problems += _verify_shard(
+                entry, reader, identities=shard_set.identities, seen=seen, excluded=excluded,
+                live=live, first=int(shard_set.offsets[shard]),
+            )
     problems += _verify_rejects(Path(root) / "rejects.jsonl", shard_set.manifest, seen=seen)
+    if (Path(root) / SOURCES_FILE).is_file():
+        problems += _verify_sources(Path(root), shard_set.manifest, live=live)
     return problems
 
 
 def _verify_shard(
-    entry: dict[str, Any], reader: ShardReader, *, identities: list[str], seen: dict[str, str], excluded: set[int] = frozenset()
+    entry: dict[str, Any],
+    reader: ShardReader,
+    *,
+    identities: list[str],
+    seen: dict[str, str],
+    excluded: set[int] = frozenset(),
+    live: dict[str, tuple[int, Any]] | None = None,
+    first: int = 0,
 ) -> list[str]:
     name = entry["file"]
     problems = []
@@ -158,6 +172,8 @@ def _verify_shard(
         if path in seen:
             found.append(f"{name} key {key}: path {path!r} also at {seen[path]}")
         seen.setdefault(path, f"{name} key {key}")
+        if live is not None:
+            live.setdefault(path, (first + key, record.header.get("sha256")))
     hidden = len(found) - _SHOWN_PER_SHARD
     return problems + found[:_SHOWN_PER_SHARD] + ([f"{name}: {hidden} more record problems"] if hidden > 0 else [])
 
@@ -181,6 +197,47 @@ def _record_problems(record: Record, key: int, labels: Any, identities: list[str
     except (OSError, ValueError) as error:
         problems.append(f"payload does not decode ({error})")
     return problems
+
+
+def _verify_sources(root: Path, manifest: dict[str, Any], *, live: dict[str, tuple[int, Any]]) -> list[str]:
+    """sources.jsonl against the manifest's hash and the shards: each accepted file's line names the
+    stored index and sha256 of its record, each live record has a line, each reject line a rejects.jsonl
+    line with its path and reason, in order."""
+    problems: list[str] = []
+    accepted = 0
+    rejects = _jsonl_objects(root / "rejects.jsonl")
+    try:
+        for entry in source_entries(root / SOURCES_FILE, expected=manifest.get(SOURCES_KEY)):
+            if entry.sample is None:
+                reject = next(rejects, None)
+                if not isinstance(reject, dict) or (reject.get("path"), reject.get("reason")) != (entry.path, entry.reason):
+                    problems.append(f"{SOURCES_FILE}: reject {entry.path!r} is not the next line of rejects.jsonl")
+                continue
+            accepted += 1
+            if live.get(entry.path) != (entry.sample, entry.sha256):
+                held = live.get(entry.path)
+                problems.append(
+                    f"{SOURCES_FILE}: {entry.path!r} at sample {entry.sample}, sha256 {str(entry.sha256)[:12]}; the shards: "
+                    + ("no live record" if held is None else f"sample {held[0]}, sha256 {str(held[1])[:12]}")
+                )
+    except FacepipeError as error:
+        problems.append(str(error))
+    if not problems and accepted != len(live):
+        problems.append(f"{SOURCES_FILE}: {accepted} accepted files, the shards hold {len(live)} live records")
+    hidden = len(problems) - _SHOWN_PER_SHARD
+    return problems[:_SHOWN_PER_SHARD] + ([f"{SOURCES_FILE}: {hidden} more problems"] if hidden > 0 else [])
+
+
+def _jsonl_objects(path: Path) -> Any:
+    """The lines of a JSONL file as parsed values (None for a line that does not parse), one at a time."""
+    if not path.is_file():
+        return
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                yield None
 
 
 def _verify_rejects(path: Path, manifest: dict[str, Any], *, seen: dict[str, str]) -> list[str]:

@@ -24,7 +24,16 @@ from facepipe.data.extract import Outcome, process_chunk, warm_up, with_scan_rej
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
-from facepipe.io.manifest import SOURCES_FILE, build_manifest, dumps, reject_line, write_metadata
+from facepipe.io.manifest import (
+    SOURCES_FILE,
+    SOURCES_KEY,
+    SourcesDigest,
+    build_manifest,
+    dumps,
+    duplicate_detail,
+    reject_line,
+    write_metadata,
+)
 from facepipe.io.records import encode_record
 from facepipe.io.shards import SET_FORMAT, ShardInfo, ShardWriter
 from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
@@ -115,6 +124,7 @@ class SetBuilder:
         self.writer = ShardWriter(new_shards, samples_per_shard=params.samples_per_shard)
         self.rejects = open(root / "rejects.jsonl", "w")
         self.sources = open(root / SOURCES_FILE, "w")
+        self.sources_digest = SourcesDigest()
         self.stats: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) taken before it was read
         self.identities: list[str] = list(self.base.identities)
         self.labels: dict[str, int] = {name: label for label, name in enumerate(self.identities)}
@@ -139,7 +149,7 @@ class SetBuilder:
     def add(self, outcome: Outcome) -> None:
         first = self._duplicate_of(outcome.path, outcome.sha256)
         if first is not None:
-            return self._reject(outcome.path, outcome.sha256, "duplicate", _duplicate_detail(first, outcome.path))
+            return self._reject(outcome.path, outcome.sha256, "duplicate", duplicate_detail(first, outcome.path))
         if not outcome.accepted:
             return self._reject(outcome.path, outcome.sha256, outcome.reason or "unknown", outcome.detail)
         assert outcome.header is not None and outcome.payload is not None
@@ -161,7 +171,7 @@ class SetBuilder:
         first = self._duplicate_of(path, sha256)
         if first is not None:
             was = entry["reason"] == "duplicate"  # else a new file before it holds its bytes: decided now
-            self._reject(path, sha256, "duplicate", _duplicate_detail(first, path), generation=entry["generation"] if was else None)
+            self._reject(path, sha256, "duplicate", duplicate_detail(first, path), generation=entry["generation"] if was else None)
             self.redecided += not was
             return was
         if entry["sample"] is None:
@@ -191,6 +201,7 @@ class SetBuilder:
         line = {"path": path, "sha256": sha256, "reason": reason, "sample": sample, "generation": generation,
                 "size": size, "mtime_ns": mtime_ns}
         self.sources.write(json.dumps(line, sort_keys=True, ensure_ascii=False) + "\n")
+        self.sources_digest.add(path, sha256, reason, sample, generation)
 
     def finish(self, scanned: int, *, processed: int | None = None, removed: int = 0, excluded: dict[str, list[int]] | None = None) -> dict[str, Any]:
         """Close shards and write labels.json and, last, manifest.json; returns the manifest.
@@ -239,6 +250,7 @@ class SetBuilder:
             generations=[*self.base.generations] if self.unchanged else [*self.base.generations, generation],
         )
         manifest["rejected_by_reason"] = dict(sorted(self.reasons.items()))
+        manifest[SOURCES_KEY] = self.sources_digest.hexdigest()
         return write_metadata(self.root, manifest=manifest, identities=self.identities, rejects=None)
 
     def abort(self) -> None:
@@ -259,11 +271,6 @@ class Generation:
     identities: tuple[str, ...] = ()
     generations: tuple[dict[str, Any], ...] = ()
     params: dict[str, Any] | None = None
-
-
-def _duplicate_detail(first: str, path: str) -> str:
-    crosses = first.split("/", 1)[0] != path.split("/", 1)[0]
-    return f"same bytes as {first}" + (" (another identity)" if crosses else "")
 
 
 def _manifest_params(params: PrepareParams) -> dict[str, Any]:

@@ -140,17 +140,33 @@ def build_head(params: TrainParams, *, num_classes: int) -> nn.Module:
 
 
 def data_fingerprint(dataset: FaceDataset) -> str:
-    """Identifies the training data: the shard files' hashes and the classes trained on."""
+    """Identifies the training data: the shard files' hashes, the records a grown set excludes from
+    them, and the classes trained on.
+
+    Exclusions belong to it: an update that only deletes photos keeps every shard file and adds
+    exclusions, and the samples read are then others. A set without exclusions hashes as before, so
+    checkpoints of earlier versions on such sets still resume.
+    """
     digest = hashlib.sha256()
     digest.update(json.dumps([s["sha256"] for s in dataset.shards.manifest["shards"]]).encode())
     digest.update(json.dumps(dataset.class_names).encode())
+    excluded = dataset.shards.excluded
+    if excluded:
+        digest.update(json.dumps({file: indexes.tolist() for file, indexes in excluded.items()}).encode())
     return digest.hexdigest()
 
 
 def check_resumable(
-    state: dict[str, Any], *, params: TrainParams, fingerprint: str, source: Path, effective_batch: int | None = None
+    state: dict[str, Any],
+    *,
+    params: TrainParams,
+    fingerprint: str,
+    num_samples: int,
+    source: Path,
+    effective_batch: int | None = None,
 ) -> None:
-    """A checkpoint may continue this run only if it trained the same thing on the same data.
+    """A checkpoint may continue this run only if it trained the same thing on the same data (the
+    same fingerprint and the same number of samples).
 
     ``batch_size`` and ``accum_steps`` may differ when this run's ``effective_batch`` (samples per
     optimizer step, all processes) equals the checkpoint's: the same steps, laid out differently.
@@ -172,9 +188,16 @@ def check_resumable(
             f"{source} was written with other train params ({', '.join(changed)}; e.g. {first}: "
             f"{saved.get(first)!r} -> {wanted.get(first)!r}); remove {source.parent} or run with --fresh"
         )
+    saved_samples = state["data"].get("num_samples")
+    if saved_samples != num_samples:
+        raise FacepipeError(
+            f"{source} was trained on other data ({saved_samples} samples, now {num_samples});"
+            f" remove {source.parent} or run with --fresh"
+        )
     if state["data"]["fingerprint"] != fingerprint:
         raise FacepipeError(
-            f"{source} was trained on other data (shards or identities differ); remove {source.parent} or run with --fresh"
+            f"{source} was trained on other data (shards, excluded samples or identities differ);"
+            f" remove {source.parent} or run with --fresh"
         )
 
 
@@ -195,12 +218,14 @@ def run(
     max_steps: int | None = None,
     fresh: bool = False,
     model_factory: ModelFactory | None = None,
+    trust_unverified: bool = False,
 ) -> TrainReport:
     """Train on the shard set ``prepared`` (optionally only ``identities``), writing into ``out``.
 
     ``max_steps`` stops after that many optimizer steps in all (checkpointing there) without
     changing the schedule, which stays that of the full run; ``fresh`` deletes old checkpoints
-    instead of resuming from them. Call it once per process; under torchrun every rank calls it.
+    instead of resuming from them; ``trust_unverified`` lets a version-1 checkpoint (no checksum)
+    be resumed from. Call it once per process; under torchrun every rank calls it.
     """
     check_output(out, kind=MODEL_FOLDER, sources={"shard set": prepared})
     context = init_distributed(params.device)
@@ -216,6 +241,7 @@ def run(
             max_steps=max_steps,
             fresh=fresh,
             model_factory=model_factory or build_model,
+            trust_unverified=trust_unverified,
         )
     finally:
         shutdown(context)
@@ -231,6 +257,7 @@ def _train(
     max_steps: int | None,
     fresh: bool,
     model_factory: ModelFactory,
+    trust_unverified: bool = False,
 ) -> TrainReport:
     """One run, in order: data, plan, model and head, resume, loader, the loop, the model folder."""
     started = time.perf_counter()
@@ -243,7 +270,13 @@ def _train(
     trainer = _make_trainer(model, params, plan, context)
     fingerprint = data_fingerprint(dataset)
     resumed_from = _resume(
-        trainer, out / CHECKPOINT_DIR, params=params, fingerprint=fingerprint, num_samples=len(dataset), fresh=fresh
+        trainer,
+        out / CHECKPOINT_DIR,
+        params=params,
+        fingerprint=fingerprint,
+        num_samples=len(dataset),
+        fresh=fresh,
+        trust_unverified=trust_unverified,
     )
     if context.is_main:
         remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
@@ -442,7 +475,14 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
 
 
 def _resume(
-    trainer: Trainer, checkpoints: Path, *, params: TrainParams, fingerprint: str, num_samples: int, fresh: bool
+    trainer: Trainer,
+    checkpoints: Path,
+    *,
+    params: TrainParams,
+    fingerprint: str,
+    num_samples: int,
+    fresh: bool,
+    trust_unverified: bool = False,
 ) -> int | None:
     """Load the newest checkpoint (rank 0 picks it; all ranks must hold the same one and the same data);
     returns its step, or None for a new run."""
@@ -454,12 +494,17 @@ def _resume(
             log.info("--fresh: removing the checkpoints in %s", checkpoints)
             remove_checkpoints(checkpoints)
     data = {"data fingerprint": fingerprint[:16], "samples": num_samples}
-    found = agreed_resume_point(checkpoints, context, fresh=fresh, data=data)
+    found = agreed_resume_point(checkpoints, context, fresh=fresh, data=data, unverified_ok=trust_unverified)
     if found is None:
         return None
     latest, state = found
     check_resumable(
-        state, params=params, fingerprint=fingerprint, source=Path(latest), effective_batch=trainer.plan.effective_batch
+        state,
+        params=params,
+        fingerprint=fingerprint,
+        num_samples=num_samples,
+        source=Path(latest),
+        effective_batch=trainer.plan.effective_batch,
     )
     trainer.load_checkpoint_state(state, source=str(latest))
     log.info("resuming from %s (step %d, epoch %d)", latest, trainer.state.step, trainer.state.epoch)

@@ -14,8 +14,9 @@ recorded sha256 (an earlier I/O error, a file over the size limit) is read again
 reused only while an unchanged file before it (sorted order) holds the same bytes.
 
 Outcomes are the same as a from-scratch prepare of RAW would give, file by file (same accept or
-reject, reason and detail); only the layout (shards, exclusions) and the labels' order differ, and
-:mod:`facepipe.stages.compact` rewrites that into the canonical layout.
+reject, reason and detail); the layout (shards, exclusions) and the labels' order differ, and
+:mod:`facepipe.stages.compact` rewrites that into the canonical layout. A file rewritten with the
+same size and modification time is not seen (the hint says unchanged): only a full prepare reads it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
 from facepipe.data.scan import ScanItem, read_raw_file, unescape_path
 from facepipe.errors import FacepipeError
-from facepipe.io.manifest import SOURCES_FILE, metadata_problems
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, metadata_problems
 from facepipe.io.shards import SET_VERSION, ShardInfo, ShardSet, ShardSetError, shard_name
 
 #: Where a generation's new shards are written inside the temporary output before they are renamed.
@@ -110,7 +111,7 @@ def plan_update(out: Path, params: PrepareParams, items: list[ScanItem], *, raw:
     """Check that ``out`` is a set this update may grow, and decide which files to reuse. Raises
     FacepipeError (a folder that is not a facepipe set, an older set, changed params, an inconsistent set)."""
     base = _open_base(out, manifest_params)
-    sources = read_sources(out / SOURCES_FILE)
+    sources = read_sources(out / SOURCES_FILE, expected=base.manifest.get(SOURCES_KEY))
     rejects = {r["path"]: r for r in _read_jsonl(out / "rejects.jsonl")}
     stats = file_stats(raw, items)
     todo: list[ScanItem] = []
@@ -174,18 +175,45 @@ def _open_base(out: Path, manifest_params: dict[str, Any]) -> ShardSet:
 class SourceEntry:
     """One ``sources.jsonl`` line, read as ``entry["sha256"]`` like the dict it was, in less than half
     its memory: an update holds one per file of the set (about 0.45 KB each instead of 1 KB; 1M files,
-    benchmarks/README.md), and the repeated reasons share one string."""
+    benchmarks/README.md), and the repeated reasons share one string. Raises ValueError naming the
+    first field of the wrong type (a ``sample`` of ``null`` for an accepted file, ``"x"``, ...)."""
 
     __slots__ = ("path", "sha256", "reason", "sample", "generation", "size", "mtime_ns")
 
     def __init__(self, line: dict[str, Any]) -> None:
+        if not isinstance(line, dict):
+            raise ValueError("a line is not a JSON object")
         reason = line["reason"]
         self.path, self.sha256, self.sample, self.generation = line["path"], line["sha256"], line["sample"], line["generation"]
         self.size, self.mtime_ns = line["size"], line["mtime_ns"]
-        self.reason = None if reason is None else sys.intern(reason)
+        self.reason = None if reason is None else sys.intern(reason) if isinstance(reason, str) else reason
+        problem = _entry_problem(self)
+        if problem:
+            raise ValueError(f"{self.path!r}: {problem}" if isinstance(self.path, str) else problem)
 
     def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(entry: SourceEntry) -> str | None:
+    """Why ``entry`` cannot be a line prepare wrote, else None."""
+    if not isinstance(entry.path, str) or not entry.path or "\0" in entry.path:
+        return "path is not a file path"
+    if entry.sha256 is not None and not (isinstance(entry.sha256, str) and len(entry.sha256) == 64):
+        return f"sha256 {entry.sha256!r} is not a hex digest"
+    if entry.reason is not None and not isinstance(entry.reason, str):
+        return f"reason {entry.reason!r} is not a reason code"
+    if (entry.sample is None) == (entry.reason is None) or not (entry.sample is None or _count(entry.sample)):
+        return f"sample {entry.sample!r} with reason {entry.reason!r} (an accepted file has a sample number, a reject none)"
+    if not _count(entry.generation):
+        return f"generation {entry.generation!r} is not a generation number"
+    if not all(value is None or _count(value) for value in (entry.size, entry.mtime_ns)):
+        return "size and mtime_ns must be numbers"
+    return None
 
 
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
@@ -201,17 +229,54 @@ def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
         raise NotGrowable(f"--update: {path} is inconsistent (not JSON lines: {error}): run a full prepare (without --update)") from None
 
 
-def read_sources(path: Path) -> dict[str, SourceEntry]:
-    """``sources.jsonl`` as {scan path: entry}, line by line (never all lines' dicts at once)."""
+class SourcesError(FacepipeError):
+    """``sources.jsonl`` cannot be trusted: damaged, or not what the manifest's hash says."""
+
+
+def source_entries(path: Path, *, expected: str | None) -> Iterator[SourceEntry]:
+    """``sources.jsonl``'s lines as entries, one at a time, each checked for types; at the end its
+    lines must hash to ``expected`` (the manifest's :data:`SOURCES_KEY`): a removed line, two lines'
+    samples swapped, a sha256 copied from another line are refused. Raises :class:`SourcesError`
+    ("PATH is inconsistent (why)") or FacepipeError when it cannot be read; a caller acts on what it
+    was given only once the iteration ends."""
+    if expected is None:
+        raise SourcesError(f"{path} is inconsistent (the manifest records no {SOURCES_KEY}: written by an earlier facepipe)")
+    digest = SourcesDigest()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for text in handle:
+                if text.strip():
+                    entry = SourceEntry(json.loads(text))
+                    digest.add(entry.path, entry.sha256, entry.reason, entry.sample, entry.generation)
+                    yield entry
+    except OSError as error:
+        raise FacepipeError(f"cannot read {path}: {error}") from None
+    except KeyError as error:
+        raise SourcesError(f"{path} is inconsistent (a line lacks {error})") from None
+    except json.JSONDecodeError as error:
+        raise SourcesError(f"{path} is inconsistent (not JSON lines: {error})") from None
+    except ValueError as error:  # a field of the wrong type
+        raise SourcesError(f"{path} is inconsistent (not lines prepare writes: {error})") from None
+    if digest.hexdigest() != expected:
+        raise SourcesError(f"{path} is inconsistent (its lines do not match the manifest's {SOURCES_KEY})")
+
+
+def read_sources(path: Path, *, expected: str | None) -> dict[str, SourceEntry]:
+    """``sources.jsonl`` as {scan path: entry}, line by line (never all lines' dicts at once), checked
+    by :func:`source_entries`. Raises :class:`NotGrowable` in one line: ``--update auto`` then prepares in full."""
     collecting = gc.isenabled()
     gc.disable()  # a million new acyclic objects would otherwise set off full collections over and over
+    sources: dict[str, SourceEntry] = {}
     try:
-        return {entry.path: entry for entry in map(SourceEntry, _read_jsonl(path))}
-    except (KeyError, TypeError) as error:
-        raise NotGrowable(f"--update: {path} is inconsistent (a line lacks {error}): run a full prepare (without --update)") from None
+        for entry in source_entries(path, expected=expected):
+            if sources.setdefault(entry.path, entry) is not entry:
+                raise SourcesError(f"{path} is inconsistent ({entry.path!r} appears twice)")
+    except SourcesError as error:
+        raise NotGrowable(f"--update: {error}: run a full prepare (without --update)") from None
     finally:
         if collecting:
             gc.enable()
+    return sources
 
 
 def link_shards(base: ShardSet, tmp: Path) -> None:

@@ -41,7 +41,8 @@ from facepipe.training.distributed import Distributed, all_gather_objects, broad
 log = logging.getLogger("facepipe.training")
 
 CHECKPOINT_FORMAT = "facepipe-train-checkpoint"
-# 3: class_names as one JSON tensor; 2: with "checksum"; version 1 files still load, unverified, with a warning
+# 3: class_names as one JSON tensor; 2: with "checksum"; version 1 files (no checksum) load only when asked
+# to (``unverified_ok``: ``facepipe train --trust-unverified-checkpoint``), with a warning
 CHECKPOINT_VERSION = 3
 _READS = (1, 2, CHECKPOINT_VERSION)
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
@@ -129,8 +130,17 @@ def save_checkpoint(directory: str | os.PathLike[str], state: dict[str, Any], *,
     return path
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint onto the CPU (tensors and plain values only; ``class_names`` as a list)."""
+class UnverifiedCheckpoint(FacepipeError):
+    """A version-1 checkpoint (no checksum) that the caller did not opt in to loading unverified."""
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, unverified_ok: bool = False) -> dict[str, Any]:
+    """Read a checkpoint onto the CPU (tensors and plain values only; ``class_names`` as a list).
+
+    A checksum, when present, is verified whatever the version. A version-1 file without one loads
+    (with a warning) only with ``unverified_ok``, else :class:`UnverifiedCheckpoint`: a crafted file
+    marked version 1 must not skip the check.
+    """
     path = Path(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -144,8 +154,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise FacepipeError(
             f"checkpoint version {state.get('version')} is not supported (reads {', '.join(map(str, _READS))}): {path}"
         )
-    if state["version"] == 1:
-        log.warning("%s predates checkpoint checksums: loading it unverified", path)
+    if state["version"] == 1 and "checksum" not in state:
+        if not unverified_ok:
+            raise UnverifiedCheckpoint(
+                f"checkpoint {path} is version 1, written before checksums: it cannot be verified; resume from it"
+                " with --trust-unverified-checkpoint only if you know where it came from, or run with --fresh"
+            )
+        log.warning("%s predates checkpoint checksums: loading it unverified (--trust-unverified-checkpoint)", path)
     elif state.get("checksum") != state_checksum(state):
         raise FacepipeError(f"checkpoint corrupt: {path} (its content does not match its checksum)")
     if isinstance(state.get("class_names"), torch.Tensor):
@@ -156,16 +171,21 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def latest_good_checkpoint(directory: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]] | None:
+def latest_good_checkpoint(
+    directory: str | os.PathLike[str], *, unverified_ok: bool = False
+) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint that loads and verifies, and its state; None when there is none.
 
     A newer one that fails is renamed ``*.corrupt`` with a warning naming it. Raises FacepipeError
-    when checkpoints exist but none is usable.
+    when checkpoints exist but none is usable, and :class:`UnverifiedCheckpoint` (the file left as it
+    is) at a version-1 file without ``unverified_ok``.
     """
     found = list_checkpoints(directory)
     for _, path in reversed(found):
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, unverified_ok=unverified_ok)
+        except UnverifiedCheckpoint:
+            raise
         except FacepipeError as error:
             aside = path.with_name(path.name + ".corrupt")
             log.warning("%s; set aside as %s, trying the previous checkpoint", error, aside.name)
@@ -183,7 +203,12 @@ _SHARED_HINT = (
 
 
 def agreed_resume_point(
-    directory: str | os.PathLike[str], context: Distributed, *, fresh: bool, data: dict[str, Any]
+    directory: str | os.PathLike[str],
+    context: Distributed,
+    *,
+    fresh: bool,
+    data: dict[str, Any],
+    unverified_ok: bool = False,
 ) -> tuple[Path, dict[str, Any]] | None:
     """Collective: the checkpoint every rank continues from (None: all start afresh), or the same
     one-line FacepipeError on every rank.
@@ -194,12 +219,12 @@ def agreed_resume_point(
     the newest checkpoint they see, and ``data`` (e.g. the data fingerprint and dataset length). Any
     difference fails every rank together: otherwise a node without the file fails alone while the
     others wait in a collective until the timeout, and one with an older file of the same name trains
-    other weights without a word.
+    other weights without a word. ``unverified_ok``: version-1 files may load (:func:`load_checkpoint`).
     """
     found, error = None, None
     if context.is_main and not fresh:
         try:
-            found = latest_good_checkpoint(directory)
+            found = latest_good_checkpoint(directory, unverified_ok=unverified_ok)
         except FacepipeError as failure:
             error = str(failure)
     path, error = broadcast_object((None if found is None else str(found[0]), error), context)
@@ -208,7 +233,7 @@ def agreed_resume_point(
     state, held = (found[1], None) if found is not None else (None, None)
     if path is not None and state is None:
         try:
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, unverified_ok=unverified_ok)
         except FacepipeError as failure:
             held = f"cannot use it: {failure}"
     newest = None if fresh else latest_checkpoint(directory)
