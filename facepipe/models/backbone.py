@@ -15,6 +15,11 @@ from facepipe.errors import FacepipeError
 
 _SHOWN_KEYS = 5
 
+#: Pixel normalisation of each model family: network input = (pixel - mean) / std, pixel in [0, 255].
+#: arcface (insightface and its descendants): [-1, 1]; facenet (facenet-pytorch's
+#: ``fixed_image_standardization``): (x - 127.5) / 128, what its published weights were trained on.
+NORMALIZATIONS: dict[str, tuple[float, float]] = {"arcface": (127.5, 127.5), "facenet": (127.5, 128.0)}
+
 
 class WeightsError(FacepipeError):
     """A weights file that is missing, unreadable, or does not fit the backbone."""
@@ -29,6 +34,8 @@ class Backbone(nn.Module):
     """
 
     ignored_weight_prefixes: tuple[str, ...] = ()
+    #: the model family, which fixes the pixel normalisation (``NORMALIZATIONS``) recorded in model.json
+    family: str = "arcface"
 
     def __init__(self, *, embedding_size: int, image_size: int) -> None:
         super().__init__()
