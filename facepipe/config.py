@@ -52,8 +52,10 @@ class PrepareParams(Section):
     image_size: int = Field(112, ge=16, le=1024, description="side of the aligned square face, pixels")
     encoding: Literal["jpeg", "png"] = "jpeg"
     quality: int = Field(95, ge=1, le=100, description="JPEG quality of the stored faces")
-    detector: Literal["mtcnn", "retinaface", "none"] = Field(
-        "mtcnn", description="none: the images are aligned face crops already (no detection; README: Importing)"
+    detector: Literal["mtcnn", "retinaface", "none", "facenet_pytorch"] = Field(
+        "mtcnn",
+        description="none: the images are aligned face crops already (no detection; README: Importing); "
+        "facenet_pytorch: facenet-pytorch's own MTCNN, one photo at a time (its exact boxes, for crop: facenet)",
     )
     detector_weights: str | None = Field(
         None,
