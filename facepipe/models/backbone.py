@@ -26,7 +26,8 @@ class WeightsError(FacepipeError):
 
 
 class Backbone(nn.Module):
-    """Base of registered backbones: ``[B, 3, H, W]`` float in [-1, 1] -> ``[B, E]`` float.
+    """Base of registered backbones: ``[B, 3, H, W]`` float, normalised as the ``family`` says (arcface:
+    [-1, 1]; facenet: (pixel - 127.5) / 128) -> ``[B, E]`` float.
 
     Subclasses run each residual stage through ``run_stage`` so that ``gradient_checkpointing``
     applies to all of them, and list in ``ignored_weight_prefixes`` the keys of published
