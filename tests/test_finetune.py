@@ -87,7 +87,8 @@ def test_a_facenet_pytorch_file_gives_facenet_pytorchs_forward(faces160, vggface
         frozen_first_step(
             faces160, out, backbone="inception_resnet_v1", embedding_size=512, head="softmax", init_from=str(path)
         )
-    assert "dropped the file's pretraining classifier logits.bias, logits.weight (8631 classes, VGGFace2)" in caplog.text
+    dropped = "logits.bias, logits.weight (8631 classes, VGGFace2)"
+    assert f"dropped the file's pretraining classifier {dropped}" in caplog.text
     spec = read_model_spec(out)
     assert spec.init_from == {
         "kind": "facenet-pytorch",
@@ -231,12 +232,17 @@ def broken_files(folder: Path, pretrained: Path) -> dict[str, tuple[Path, str]]:
 
     missing = dict(state)
     del missing["conv_sep.layers.1.running_mean"]
-    save("missing.pth", missing, "(arcface_torch) does not fit MobileFaceNet: missing keys (1): conv_sep.layers.1.running_mean")
+    save(
+        "missing.pth",
+        missing,
+        "(arcface_torch) does not fit MobileFaceNet: missing keys (1): conv_sep.layers.1.running_mean",
+    )
     extra = {**state, "classifier.weight": torch.zeros(3, 16), "classifier.bias": torch.zeros(3)}
     save("extra.pth", extra, "unexpected keys (2): classifier.weight, classifier.bias")
     reshaped = {**state, "features.layers.2.weight": torch.zeros(32, 512)}
     save("shape.pth", reshaped, "shape mismatch (1): features.layers.2.weight [32, 512] in file vs [16, 512] in model")
-    save("module.pth", create_backbone("mobilefacenet", embedding_size=16, image_size=16), "cannot be read as a state dict")
+    module = create_backbone("mobilefacenet", embedding_size=16, image_size=16)  # a pickled object
+    save("module.pth", module, "cannot be read as a state dict")
     files["absent.pth"] = (folder / "absent.pth", "does not exist")
     (folder / "not-a-model").mkdir()
     files["not-a-model"] = (folder / "not-a-model", "is a folder but not a facepipe model folder")
@@ -337,7 +343,8 @@ def test_fine_tuning_settings_resume_exactly(pretrained, shard_set, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     last = torch.load(list_checkpoints(stopped / "checkpoints")[-1][1], weights_only=True)
     rates = [group["lr"] for group in last["optimizer"]["param_groups"]]
-    assert rates == pytest.approx([0.002 * 0.5 * 0.5] * 2 + [0.002 * 0.5] * 2)  # backbone x0.5; after the milestone x0.5
+    # the backbone at x0.5, and both x0.5 after the milestone
+    assert rates == pytest.approx([0.002 * 0.5 * 0.5] * 2 + [0.002 * 0.5] * 2)
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,8 @@ def weights_file(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     if path.is_dir():
         if not (path / FACEPIPE_SPEC).is_file() or not (path / FACEPIPE_WEIGHTS).is_file():
             raise WeightsError(
-                f"init_from {str(path)!r} is a folder but not a facepipe model folder ({FACEPIPE_WEIGHTS} and {FACEPIPE_SPEC})"
+                f"init_from {str(path)!r} is a folder but not a facepipe model folder "
+                f"({FACEPIPE_WEIGHTS} and {FACEPIPE_SPEC})"
             )
         return path / FACEPIPE_WEIGHTS, True
     if not path.is_file():
