@@ -110,6 +110,27 @@ def test_a_facenet_pytorch_file_gives_facenet_pytorchs_forward(faces160, vggface
         reference.classify = True
 
 
+@pytest.mark.parametrize(
+    "classes,dropped",
+    [(10575, "logits.bias, logits.weight (10575 classes, CASIA-WebFace)"), (None, None)],
+)
+def test_casia_and_classifier_free_facenet_files(tmp_path, caplog, classes, dropped):
+    from facenet_pytorch import InceptionResnetV1
+
+    from facepipe.models.pretrained import load_init_weights
+
+    torch.manual_seed(1)
+    reference = InceptionResnetV1(pretrained=None, classify=classes is not None, num_classes=classes)
+    path = tmp_path / "facenet.pt"
+    torch.save(reference.state_dict(), path)
+    backbone = create_backbone("inception_resnet_v1", image_size=160)
+    with caplog.at_level(logging.INFO, logger="facepipe"):
+        record = load_init_weights(backbone, path)
+    assert (record.kind, record.dropped, record.sha256) == ("facenet-pytorch", dropped, sha256(path))
+    assert ("pretraining classifier" in caplog.text) == (dropped is not None)
+    assert all(torch.equal(value, reference.state_dict()[key]) for key, value in backbone.state_dict().items())
+
+
 # --- arcface_torch ---------------------------------------------------------------------------------
 
 
