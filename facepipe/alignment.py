@@ -1,4 +1,5 @@
-"""5-point similarity alignment to the ArcFace template. Pure math: no I/O, no globals mutated."""
+"""Face crops: 5-point similarity alignment to the ArcFace template (``prepare.crop: arcface``) and
+facenet-pytorch's box crop (``crop: facenet``). Pure math: no I/O, no globals mutated."""
 
 from __future__ import annotations
 
@@ -70,3 +71,29 @@ def align_face(image: np.ndarray, landmarks: np.ndarray, size: int = 112) -> np.
     return cv2.warpAffine(
         image, matrix, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT, borderValue=0
     )
+
+
+def facenet_box(box: np.ndarray, *, image_size: int, margin: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """facenet-pytorch's ``extract_face`` box: ``box`` (x1, y1, x2, y2) grown by ``margin`` pixels *of
+    the output* (``margin * side / (image_size - margin)`` of the photo), clipped to the image and
+    truncated to integers as that function does."""
+    grow_x = margin * (box[2] - box[0]) / (image_size - margin)
+    grow_y = margin * (box[3] - box[1]) / (image_size - margin)
+    return (
+        int(max(box[0] - grow_x / 2, 0)),
+        int(max(box[1] - grow_y / 2, 0)),
+        int(min(box[2] + grow_x / 2, width)),
+        int(min(box[3] + grow_y / 2, height)),
+    )
+
+
+def facenet_crop(image: np.ndarray, box: np.ndarray, *, image_size: int = 160, margin: int = 0) -> np.ndarray:
+    """facenet-pytorch's ``extract_face`` on a PIL image: the grown box (:func:`facenet_box`) resized to
+    ``image_size`` square by Pillow's bilinear filter, no rotation. ``image`` [H, W, 3] uint8 RGB ->
+    [image_size, image_size, 3] uint8 RGB (what ``MTCNN(post_process=False)`` returns, as bytes)."""
+    from PIL import Image
+
+    height, width = image.shape[:2]
+    crop = facenet_box(box, image_size=image_size, margin=margin, width=width, height=height)
+    resized = Image.fromarray(image).crop(crop).resize((image_size, image_size), Image.BILINEAR)
+    return np.asarray(resized, dtype=np.uint8)

@@ -24,11 +24,12 @@ from facepipe.errors import FacepipeError
 # The choice lists of params.yaml, each defined once here (the bottom layer) and imported by the code
 # that acts on them. Backbone and head names must equal their registries' (tests/test_structure.py).
 BackboneName = Literal["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "inception_resnet_v1"]
-HeadName = Literal["arcface", "cosface", "curricularface"]
+HeadName = Literal["arcface", "cosface", "curricularface", "softmax"]
 HeadParallel = Literal["dense", "sharded"]
-OptimizerName = Literal["sgd", "adamw"]
+OptimizerName = Literal["sgd", "adamw", "adam"]
 LRScaling = Literal["linear", "sqrt", "none"]
-Decay = Literal["cosine", "poly"]
+Decay = Literal["cosine", "poly", "step"]
+CropName = Literal["arcface", "facenet"]
 Precision = Literal["off", "bf16", "fp16"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -51,8 +52,10 @@ class PrepareParams(Section):
     image_size: int = Field(112, ge=16, le=1024, description="side of the aligned square face, pixels")
     encoding: Literal["jpeg", "png"] = "jpeg"
     quality: int = Field(95, ge=1, le=100, description="JPEG quality of the stored faces")
-    detector: Literal["mtcnn", "retinaface", "none"] = Field(
-        "mtcnn", description="none: the images are aligned face crops already (no detection; README: Importing)"
+    detector: Literal["mtcnn", "retinaface", "none", "facenet_pytorch"] = Field(
+        "mtcnn",
+        description="none: the images are aligned face crops already (no detection; README: Importing); "
+        "facenet_pytorch: facenet-pytorch's own MTCNN, one photo at a time (its exact boxes, for crop: facenet)",
     )
     detector_weights: str | None = Field(
         None,
@@ -68,6 +71,14 @@ class PrepareParams(Section):
     max_pixels: int = Field(40_000_000, ge=1, description="images above this many pixels are rejected")
     chunk_size: int = Field(16, ge=1, description="images per unit of parallel work (one detector batch)")
     samples_per_shard: int = Field(10_000, ge=1)
+    crop: CropName = Field(
+        "arcface",
+        description="arcface: 5-point similarity alignment to the ArcFace template; facenet: facenet-pytorch's"
+        " extract_face (the detector's box grown by margin, clipped to the image, resized; no rotation)",
+    )
+    margin: int = Field(
+        0, ge=0, description="crop facenet only: pixels of the output added around the box (facenet-pytorch's margin)"
+    )
     follow_symlinks: bool = Field(
         False,
         description="follow symbolic links that lead outside the raw folder; off: they are rejected as"
@@ -78,6 +89,12 @@ class PrepareParams(Section):
     def _weights_need_retinaface(self) -> PrepareParams:
         if self.detector_weights is not None and self.detector != "retinaface":
             raise ValueError(f"detector_weights is for detector: retinaface ({self.detector} ships its own weights)")
+        if self.margin and self.crop != "facenet":
+            raise ValueError("margin is for crop: facenet (the arcface crop is fixed by its template)")
+        if self.margin >= self.image_size:
+            raise ValueError(f"margin ({self.margin}) must be smaller than image_size ({self.image_size})")
+        if self.crop == "facenet" and self.detector == "none":
+            raise ValueError("crop: facenet needs a detector's box (detector none takes aligned crops as they are)")
         return self
 
 
@@ -201,7 +218,17 @@ class TrainParams(Section):
 
     backbone: BackboneName = "mobilefacenet"
     embedding_size: int = Field(512, ge=2)
-    head: HeadName = "arcface"
+    init_from: str | None = Field(
+        None,
+        description="the backbone's starting weights: a facepipe model folder or its backbone.pt, a facenet-pytorch "
+        "InceptionResnetV1 state dict (its logits.* classifier is dropped) or an insightface arcface_torch "
+        "backbone.pth; every backbone key must match in name and shape. A resumed checkpoint wins over it",
+    )
+    head: HeadName = Field(
+        "arcface",
+        description="a margin head on normalized embeddings, or softmax: facenet-pytorch's classifier (a linear "
+        "layer with bias on the unnormalized embedding; scale and margin do not apply)",
+    )
     head_parallel: HeadParallel = Field(
         "dense",
         description="dense: every class centre on every process; sharded: centres split across the processes "
@@ -233,7 +260,7 @@ class TrainParams(Section):
     lr: float = Field(0.1, gt=0, description="learning rate for reference_batch samples per step")
     reference_batch: int = Field(512, ge=1)
     lr_scaling: LRScaling = "linear"
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; AdamW beta1")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum; Adam's and AdamW's beta1")
     weight_decay: float = Field(5e-4, ge=0, description="not applied to biases and norm / PReLU weights")
     warmup_epochs: float = Field(
         1.0,
@@ -243,7 +270,16 @@ class TrainParams(Section):
             "of the peak rate, so the first step is at 1/warmup_steps (never 0) and the last warmup step at the peak"
         ),
     )
-    decay: Decay = "cosine"
+    decay: Decay = Field("cosine", description="step: the rate times gamma at each of milestones (MultiStepLR)")
+    milestones: tuple[int, ...] = Field((), description="decay step: epochs at which the rate is multiplied by gamma")
+    gamma: float = Field(0.1, gt=0, le=1, description="decay step: the factor at each milestone")
+    freeze_epochs: int = Field(
+        0,
+        ge=0,
+        description="epochs at the start during which the backbone is frozen (weights and BatchNorm statistics); "
+        "only the head trains",
+    )
+    backbone_lr_scale: float = Field(1.0, ge=0, description="the backbone's learning rate / the head's")
     poly_power: float = Field(2.0, gt=0, description="exponent of the polynomial decay")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final learning rate / peak learning rate")
     grad_clip: float | None = Field(None, gt=0, description="max global gradient norm; null = no clipping")
@@ -284,6 +320,16 @@ class TrainParams(Section):
             raise ValueError("batch_size auto needs head_parallel: dense (give the sharded head a batch size)")
         if self.sample_rate < 1 and self.head_parallel != "sharded":
             raise ValueError(f"sample_rate {self.sample_rate} < 1 needs head_parallel: sharded")
+        if self.decay == "step" and not self.milestones:
+            raise ValueError("decay step needs milestones (epochs at which the rate drops by gamma)")
+        if self.milestones and self.decay != "step":
+            raise ValueError(f"milestones are for decay: step (decay is {self.decay})")
+        if any(m < 1 for m in self.milestones) or list(self.milestones) != sorted(set(self.milestones)):
+            raise ValueError(f"milestones must be increasing epochs >= 1, got {list(self.milestones)}")
+        if self.freeze_epochs >= self.epochs:
+            raise ValueError(f"freeze_epochs ({self.freeze_epochs}) must be fewer than epochs ({self.epochs})")
+        if self.init_from == "":
+            raise ValueError("init_from: give a path, or null for random weights")
         return self
 
     @field_validator("batch_size", "num_workers", "log_every", mode="before")

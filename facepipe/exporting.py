@@ -1,7 +1,9 @@
 """Export a backbone to ONNX and TorchScript, and check each file against the PyTorch model.
 
-Both formats take ``input`` [batch, 3, S, S] float32 RGB in [-1, 1] (pixel / 127.5 - 1) and give
-``embedding`` [batch, E] float32, not normalized; the batch axis is dynamic.
+Both formats take ``input`` [batch, 3, S, S] float32 RGB normalised as the model's ``model.json``
+says (arcface: pixel / 127.5 - 1; facenet: (pixel - 127.5) / 128) and give ``embedding`` [batch, E]
+float32, not normalized; the batch axis is dynamic. The ONNX file carries the normalisation and the
+crop in its metadata (``metadata_props``), so a runtime needs nothing else to feed it.
 
 A check compares the raw outputs and, more strictly, their L2-normalised rows: what a face matcher
 compares is the direction, and a raw tolerance alone says nothing when the outputs are small.
@@ -57,8 +59,11 @@ def _legacy_torch_apis() -> Iterator[None]:
         yield
 
 
-def export_onnx(model: nn.Module, path: str | Path, *, image_size: int, opset: int) -> None:
-    """Write ``model`` (eval mode, CPU) as an ONNX file with a dynamic batch axis."""
+def export_onnx(
+    model: nn.Module, path: str | Path, *, image_size: int, opset: int, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``model`` (eval mode, CPU) as an ONNX file with a dynamic batch axis and ``metadata``
+    (string keys and values) in its ``metadata_props``."""
     example = random_batch(_TRACE_BATCH, image_size, seed=0)
     with _legacy_torch_apis():
         torch.onnx.export(
@@ -71,6 +76,14 @@ def export_onnx(model: nn.Module, path: str | Path, *, image_size: int, opset: i
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
             opset_version=opset,
         )
+    if metadata:
+        import onnx
+
+        proto = onnx.load(str(path))
+        for key, value in sorted(metadata.items()):
+            entry = proto.metadata_props.add()
+            entry.key, entry.value = key, value
+        onnx.save(proto, str(path))
 
 
 def export_torchscript(model: nn.Module, path: str | Path, *, image_size: int) -> None:
@@ -122,10 +135,14 @@ def export_and_check(
     atol: float,
     rtol: float,
     opset: int = 17,
+    metadata: dict[str, str] | None = None,
 ) -> Check:
-    """Export ``model`` in ``fmt`` to ``path``, run the file on ``check_batch`` and compare with ``reference``."""
+    """Export ``model`` in ``fmt`` to ``path``, run the file on ``check_batch`` and compare with ``reference``.
+
+    ``metadata``: written into an ONNX file's ``metadata_props`` (TorchScript files have no place for it).
+    """
     if fmt == "onnx":
-        export_onnx(model, path, image_size=image_size, opset=opset)
+        export_onnx(model, path, image_size=image_size, opset=opset, metadata=metadata)
         exported = run_onnx(path, check_batch)
     else:
         export_torchscript(model, path, image_size=image_size)

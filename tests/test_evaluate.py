@@ -17,9 +17,9 @@ from facepipe.evaluation.embed import embed_images, to_model_input
 from facepipe.evaluation.pairs import NamedPair, lfw_image_key, parse_lfw_pairs
 from facepipe.evaluation.verification import verification_metrics
 from facepipe.io.manifest import build_manifest, write_metadata
-from facepipe.io.model_dir import ModelSpec, save_model_dir
+from facepipe.io.model_dir import ModelSpec, Normalization, save_model_dir, write_model_spec
 from facepipe.io.records import encode_image, encode_record
-from facepipe.io.shards import ShardSet, ShardWriter
+from facepipe.io.shards import ShardSet, ShardWriter, sha256_file
 from facepipe.io.synthetic import write_synthetic_shard_set
 from facepipe.models import create_backbone
 from facepipe.models.backbone import Backbone
@@ -64,6 +64,57 @@ def test_to_model_input_layout_and_range() -> None:
     x = to_model_input(images)
     assert x.shape == (2, 3, 4, 5) and x.dtype == torch.float32
     assert x[0].eq(-1).all() and x[1, 0].eq(1).all() and x[1, 1:].eq(-1).all()
+
+
+def test_to_model_input_takes_the_models_normalisation() -> None:
+    from facenet_pytorch import fixed_image_standardization
+
+    pixels = np.random.default_rng(0).integers(0, 256, size=(2, 4, 4, 3), dtype=np.uint8)
+    expected = fixed_image_standardization(torch.from_numpy(pixels).permute(0, 3, 1, 2).float())
+    assert torch.equal(to_model_input(pixels, mean=127.5, std=128.0), expected)
+    assert torch.equal(to_model_input(pixels), to_model_input(pixels, mean=127.5, std=127.5))
+
+
+def test_a_model_of_the_other_crop_is_refused_in_one_line(
+    model_dir: Path, prepared: Path, pairs_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    facenet = tmp_path / "model"
+    facenet.mkdir()
+    (facenet / "backbone.pt").write_bytes((model_dir / "backbone.pt").read_bytes())
+    spec = ModelSpec(backbone="mobilefacenet", embedding_size=32, image_size=SIZE, crop="facenet")
+    write_model_spec(facenet, spec, weights_sha256=sha256_file(facenet / "backbone.pt"))
+    out = tmp_path / "eval"
+    argv = ["evaluate", str(facenet), str(prepared), str(out), "--pairs", str(pairs_file)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"model was trained on facenet crops, shard set {prepared} holds arcface crops (prepare.crop)" in err
+    assert not out.exists()
+
+
+def test_evaluate_feeds_the_model_its_recorded_normalisation(
+    model_dir: Path, prepared: Path, pairs_file: Path, tmp_path: Path
+) -> None:
+    """The same weights recorded with facenet's normalisation see other inputs, so other metrics."""
+    facenet = tmp_path / "model"
+    facenet.mkdir()
+    (facenet / "backbone.pt").write_bytes((model_dir / "backbone.pt").read_bytes())
+    spec = ModelSpec(
+        backbone="mobilefacenet", embedding_size=32, image_size=SIZE, normalization=Normalization.of("facenet")
+    )
+    write_model_spec(facenet, spec, weights_sha256=sha256_file(facenet / "backbone.pt"))
+    seen = []
+    original = evaluate.embed_images
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["normalization"])
+        return original(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(evaluate, "embed_images", recording)
+        evaluate.run(PARAMS, facenet, prepared, tmp_path / "eval", pairs=pairs_file, progress=False)
+        evaluate.run(PARAMS, model_dir, prepared, tmp_path / "eval2", pairs=pairs_file, progress=False)
+    assert seen == [(127.5, 128.0), (127.5, 127.5)]
 
 
 def test_embed_images_fuses_the_mirror_and_ignores_batching() -> None:

@@ -14,7 +14,7 @@ import torch
 
 from facepipe import cli, exporting
 from facepipe.config import ExportParams
-from facepipe.io.model_dir import ModelSpec, load_backbone, save_model_dir
+from facepipe.io.model_dir import ModelSpec, Normalization, load_backbone, save_model_dir, write_model_spec
 from facepipe.models import create_backbone
 from facepipe.stages import export
 
@@ -71,7 +71,11 @@ def test_export_writes_checked_files(exported: tuple[Path, dict], model_dir: Pat
     out, report = exported
     assert sorted(p.name for p in out.iterdir()) == ["backbone.onnx", "backbone.torchscript.pt", "export.json"]
     assert json.loads((out / "export.json").read_text()) == report
-    assert report["model"] == {"backbone": "mobilefacenet", "embedding_size": 16, "image_size": SIZE}
+    assert report["model"] == ModelSpec(backbone="mobilefacenet", embedding_size=16, image_size=SIZE).model_dump()
+    arcface = {"family": "arcface", "mean": 127.5, "std": 127.5}
+    assert report["input"]["normalization"] == arcface and report["input"]["crop"] == "arcface"
+    metadata = {entry.key: entry.value for entry in onnx.load(str(out / "backbone.onnx")).metadata_props}
+    assert json.loads(metadata["facepipe.normalization"]) == arcface and metadata["facepipe.crop"] == "arcface"
     assert set(report["files"]) == {"onnx", "torchscript"}
     # What the stage measured, held to the arithmetic (not to the stage's own 1e-4 limit): outputs ~2.5 in
     # float32 through ~50 layers; onnxruntime's kernels differ by ~7e-6 raw, ~2.5e-6 on unit vectors
@@ -162,6 +166,25 @@ def test_export_fails_above_tolerance_and_writes_nothing(
     err = capsys.readouterr().err
     assert "torchscript export differs from PyTorch: max |diff| 0.01" in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == [params]  # no output, no temporary folder
+
+
+def test_a_facenet_model_exports_its_normalisation_from_model_json(model_dir: Path, tmp_path: Path) -> None:
+    """The normalisation and crop come from model.json (not from a constant of the export stage)."""
+    facenet = tmp_path / "model"
+    facenet.mkdir()
+    (facenet / "backbone.pt").write_bytes((model_dir / "backbone.pt").read_bytes())
+    spec = ModelSpec(
+        backbone="mobilefacenet", embedding_size=16, image_size=SIZE, crop="facenet",
+        normalization=Normalization.of("facenet"),
+    )
+    write_model_spec(facenet, spec, weights_sha256=hashlib.sha256((facenet / "backbone.pt").read_bytes()).hexdigest())
+    report = export.run(ExportParams(formats=("onnx",)), facenet, tmp_path / "out")
+    expected = {"family": "facenet", "mean": 127.5, "std": 128.0}
+    assert report["input"]["normalization"] == expected and report["input"]["crop"] == "facenet"
+    assert report["input"]["preprocessing"] == "facenet face crop, RGB (pixel - 127.5) / 128 (facenet)"
+    metadata = {entry.key: entry.value for entry in onnx.load(str(tmp_path / "out" / "backbone.onnx")).metadata_props}
+    assert json.loads(metadata["facepipe.normalization"]) == expected
+    assert metadata["facepipe.crop"] == "facenet" and metadata["facepipe.backbone"] == "mobilefacenet"
 
 
 def test_export_cli_one_format(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

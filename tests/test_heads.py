@@ -71,9 +71,9 @@ def arcface_by_hand(theta: float, m: float) -> float:
 
 
 def test_registry_and_defaults():
-    assert list_heads() == ["arcface", "cosface", "curricularface"]
+    assert list_heads() == ["arcface", "cosface", "curricularface", "softmax"]
     defaults = {name: create_head(name, embedding_size=4, num_classes=3).margin.margin for name in list_heads()}
-    assert defaults == {"arcface": 0.5, "cosface": 0.35, "curricularface": 0.5}
+    assert defaults == {"arcface": 0.5, "cosface": 0.35, "curricularface": 0.5, "softmax": 0.0}
     head = create_head("cosface", embedding_size=4, num_classes=3, scale=30.0, margin=0.2)
     assert (head.scale, head.margin.margin, tuple(head.weight.shape)) == (30.0, 0.2, (3, 4))
 
@@ -175,15 +175,57 @@ def test_arcface_stays_monotone_when_theta_plus_m_passes_pi():
 def test_gradient_is_finite_on_a_class_centre():
     for name in list_heads():
         head = create_head(name, embedding_size=3, num_classes=4)
-        embeddings = head.weight.detach()[:2].clone().requires_grad_(True)  # cos θ_y = 1 exactly
+        embeddings = head.weight.detach()[:2, :3].clone().requires_grad_(True)  # cos θ_y = 1 exactly
         F.cross_entropy(head(embeddings, torch.tensor([0, 1])), torch.tensor([0, 1])).backward()
         assert torch.isfinite(embeddings.grad).all() and torch.isfinite(head.weight.grad).all(), name
+
+
+# --- softmax: facenet-pytorch's classifier ----------------------------------------------------------
+
+
+def linear_as_softmax_head(linear: torch.nn.Linear) -> MarginHead:
+    """A softmax head holding ``linear``'s weight and bias (the bias is the last column of its rows)."""
+    head = create_head("softmax", embedding_size=linear.in_features, num_classes=linear.out_features).double()
+    with torch.no_grad():
+        head.weight.copy_(torch.cat([linear.weight, linear.bias[:, None]], dim=1))
+    return head
+
+
+def test_softmax_head_equals_cross_entropy_on_a_linear_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 5).double()
+    head = linear_as_softmax_head(linear)
+    assert tuple(head.weight.shape) == (5, 7) and "embedding_size=6" in repr(head)
+    # unnormalized embeddings of very different lengths: the softmax head must not normalize them
+    embeddings = torch.randn(4, 6, dtype=torch.float64) * torch.tensor([[0.1], [1.0], [10.0], [3.0]])
+    labels = torch.tensor([0, 4, 2, 2])
+    ours_input, ref_input = embeddings.clone().requires_grad_(True), embeddings.clone().requires_grad_(True)
+    output = head.loss_and_correct(ours_input, labels)
+    logits = linear(ref_input)
+    reference = torch.nn.CrossEntropyLoss()(logits, labels)
+    output.loss.backward()
+    reference.backward()
+    torch.testing.assert_close(output.loss, reference, rtol=0, atol=1e-15)
+    assert output.correct.item() == (logits.argmax(1) == labels).sum().item() and output.samples == 4
+    torch.testing.assert_close(ours_input.grad, ref_input.grad, rtol=0, atol=1e-15)
+    torch.testing.assert_close(head.weight.grad[:, :6], linear.weight.grad, rtol=0, atol=1e-15)
+    torch.testing.assert_close(head.weight.grad[:, 6], linear.bias.grad, rtol=0, atol=1e-15)
+    # scale and margin do not apply
+    scaled = create_head("softmax", embedding_size=6, num_classes=5, scale=64.0, margin=0.5).double()
+    scaled.load_state_dict(head.state_dict())
+    torch.testing.assert_close(scaled(embeddings, labels), linear(embeddings), rtol=0, atol=1e-15)
+
+
+def test_softmax_head_starts_with_the_seeded_centres_and_zero_bias():
+    head = create_head("softmax", embedding_size=4, num_classes=3, seed=7)
+    cosface = create_head("cosface", embedding_size=4, num_classes=3, seed=7)
+    assert torch.equal(head.weight[:, :4], cosface.weight) and torch.equal(head.weight[:, 4], torch.zeros(3))
 
 
 # --- gradients ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["arcface", "cosface", "curricularface"])
+@pytest.mark.parametrize("name", ["arcface", "cosface", "curricularface", "softmax"])
 def test_gradcheck_float64(name: str):
     torch.manual_seed(0)
     head = create_head(name, embedding_size=4, num_classes=5).double()
@@ -381,6 +423,43 @@ def model_parallel_worker(rank: int, port: int) -> None:
                     assert dense.margin.t.item() != 0.0
     finally:
         dist.destroy_process_group()
+
+
+def sharded_softmax_worker(rank: int, port: int) -> None:
+    join_group(rank, port)
+    try:
+        embedding_size, classes, batch = 5, 7, 3  # 7 classes: shards of 4 and 3
+        torch.manual_seed(0)  # the same layer on both ranks
+        linear = torch.nn.Linear(embedding_size, classes).double()
+        head = create_model_parallel_head("softmax", embedding_size=embedding_size, num_classes=classes).double()
+        head.load_full_weight(torch.cat([linear.weight, linear.bias[:, None]], dim=1).detach())
+        batches = [rank_batch(r, 0, batch, embedding_size, classes) for r in range(WORLD)]
+        embeddings, labels = batches[rank]
+        ours_input = embeddings.clone().requires_grad_(True)
+        output = head.loss_and_correct(ours_input, labels)
+        output.loss.backward()
+        # the global batch through nn.Linear and CrossEntropyLoss, on one process
+        every = torch.cat([e for e, _ in batches]).requires_grad_(True)
+        every_labels = torch.cat([y for _, y in batches])
+        logits = linear(every)
+        reference = torch.nn.CrossEntropyLoss()(logits, every_labels)
+        reference.backward()
+        message = f"rank {rank}"
+        torch.testing.assert_close(output.loss, reference, rtol=0, atol=1e-14, msg=message)
+        assert output.correct.item() == (logits.argmax(1) == every_labels).sum().item(), message
+        # the backbone sees the gradient of the global mean times W (DDP divides by W again)
+        rows = every.grad[rank * batch : (rank + 1) * batch] * WORLD
+        torch.testing.assert_close(ours_input.grad, rows, rtol=0, atol=1e-14, msg=message)
+        start, count = class_shard(classes, rank, WORLD)
+        full = torch.cat([linear.weight.grad, linear.bias.grad[:, None]], dim=1)
+        torch.testing.assert_close(head.weight.grad, full[start : start + count], rtol=0, atol=1e-14, msg=message)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_sharded_softmax_head_equals_cross_entropy_on_a_linear_layer():
+    mp.spawn(sharded_softmax_worker, args=(free_port(),), nprocs=WORLD, join=True)
 
 
 @pytest.mark.multiprocess

@@ -52,6 +52,7 @@ def project(tmp_path_factory):
     for name in ("facepipe", "flows"):
         shutil.copytree(REPO / name, root / name, ignore=ignore)
     shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
+    shutil.copytree(REPO / "data" / "pretrained", root / "data" / "pretrained", ignore=shutil.ignore_patterns("*.pt*"))
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     for section, values in TINY_PARAMS.items():
         params[section] = {**params.get(section, {}), **values}
@@ -117,3 +118,29 @@ def test_an_experiment_with_a_changed_parameter(project):
     assert yaml.safe_load((root / "params.yaml").read_text())["train"]["epochs"] == 2
     model_metrics = json.loads((root / "data/model/metrics.json").read_text())
     assert model_metrics, "training metrics were written"
+
+
+def test_an_experiment_starting_from_a_pretrained_model(project):
+    """``dvc exp run -S train.init_from=...`` trains from the file, records it in model.json, and the file
+    is a dependency: other bytes in data/pretrained make train stale."""
+    import hashlib
+
+    root, env, _ = project
+    start = root / "data" / "pretrained" / "start"
+    start.mkdir()
+    for name in ("backbone.pt", "model.json"):
+        shutil.copy(root / "data" / "model" / name, start / name)
+    result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "train.init_from=data/pretrained/start"], root, env)
+    assert "Running stage 'train'" in result.stdout and "Running stage 'prepare'" not in result.stdout
+    spec = json.loads((root / "data" / "model" / "model.json").read_text())
+    digest = hashlib.sha256((start / "backbone.pt").read_bytes()).hexdigest()
+    assert spec["init_from"] == {"kind": "facepipe", "file": "backbone.pt", "sha256": digest}
+    clean = run([sys.executable, "-m", "dvc", "status", "train"], root, env)
+    assert "changed deps" not in clean.stdout, clean.stdout
+    original = (start / "model.json").read_bytes()
+    try:
+        (start / "model.json").write_bytes(original + b" ")
+        stale = run([sys.executable, "-m", "dvc", "status", "train"], root, env)
+        assert "modified:           data/pretrained" in stale.stdout or "data/pretrained" in stale.stdout, stale.stdout
+    finally:
+        (start / "model.json").write_bytes(original)

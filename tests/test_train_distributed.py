@@ -104,3 +104,29 @@ def test_killed_and_resumed_run_equals_a_straight_run(tmp_path):
     for group_a, group_b in zip(final_a["optimizer"]["state"].values(), final_b["optimizer"]["state"].values()):
         assert torch.equal(group_a["momentum_buffer"], group_b["momentum_buffer"])
     assert losses(straight)[5:] == losses(resumed)[5:]  # the history was trimmed and continued
+
+
+def test_freeze_epochs_on_two_processes_keep_the_backbone_and_the_heads_in_step(tmp_path):
+    """While the backbone is frozen the trainer bypasses DDP, so it averages the dense head's gradients
+    itself: both ranks end with the same head, and the frozen epoch leaves the init weights as they were."""
+    from facepipe.models import create_backbone
+
+    shard_set = synthetic_set(tmp_path / "set", identities=4, per_identity=16)
+    torch.manual_seed(5)
+    start = tmp_path / "start.pth"
+    torch.save(create_backbone("mobilefacenet", embedding_size=16, image_size=16).state_dict(), start)
+    params = write_params(
+        tmp_path / "params.yaml", epochs=2, freeze_epochs=1, batch_size=4, reference_batch=8, init_from=str(start)
+    )
+    out, ranks = tmp_path / "model", tmp_path / "ranks"
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(PROBE), "--dump-params", str(ranks), "--",
+           "train", str(shard_set), str(out), "--params", str(params)]
+    result = run_process(cmd, timeout=240)
+    assert result.returncode == 0, result.stdout[-4000:]
+    rank0, rank1 = load_weights(ranks / "rank-0.pt"), load_weights(ranks / "rank-1.pt")
+    assert torch.equal(rank0["head.weight"], rank1["head.weight"])
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+    frozen = torch.load(out / "checkpoints" / "step-00000008.pt", weights_only=True)  # 64 samples / 8 a step
+    assert frozen["epoch"] == 1
+    initial = torch.load(start, weights_only=True)
+    assert all(torch.equal(frozen["backbone"][key], initial[key]) for key in initial)

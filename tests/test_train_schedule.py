@@ -95,8 +95,8 @@ def test_plan_refuses_a_dataset_smaller_than_one_step():
 def test_unknown_rules_are_value_errors():
     with pytest.raises(ValueError, match="^unknown lr scaling 'cubic'$"):
         scale_lr(0.1, reference_batch=256, effective_batch=512, rule="cubic")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="^unknown decay 'step'$"):
-        lr_factor(5, total_steps=10, warmup_steps=0, decay="step")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^unknown decay 'linear'$"):
+        lr_factor(5, total_steps=10, warmup_steps=0, decay="linear")  # type: ignore[arg-type]
 
 
 def test_lr_factor_defaults_and_edges():

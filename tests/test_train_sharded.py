@@ -72,7 +72,7 @@ def sharded_vs_dense_worker(rank: int, port: int) -> None:
     )
     close = {"rtol": 1e-9, "atol": 1e-12}
     try:
-        for name in ("arcface", "cosface", "curricularface"):
+        for name in ("arcface", "cosface", "curricularface", "softmax"):
             dense, sharded = make_trainer(name, "dense", rank), make_trainer(name, "sharded", rank)
             assert isinstance(sharded.module.head, ModelParallelMarginHead) and not dense.sharded
             # only the backbone is in DDP: the centres (different on each rank) are never all-reduced

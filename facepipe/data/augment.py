@@ -94,11 +94,18 @@ def to_uint8_tensor(image: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(image.transpose(2, 0, 1)))
 
 
-def normalize(images: torch.Tensor) -> torch.Tensor:
-    """uint8 pixels -> float32 in [-1, 1], the same values :func:`to_tensor` gives; float input passes through."""
+def normalize(images: torch.Tensor, *, mean: float = 127.5, std: float = 127.5) -> torch.Tensor:
+    """uint8 pixels -> float32 ``(pixel - mean) / std``; float input passes through.
+
+    The default (arcface, [-1, 1]) gives the same values :func:`to_tensor` gives, computed as
+    ``pixel / 127.5 - 1`` as always (other roundings than ``(pixel - 127.5) / 127.5``); other
+    normalisations (facenet: std 128) subtract first, as facenet-pytorch's ``fixed_image_standardization``.
+    """
     if images.dtype != torch.uint8:
         return images
-    return images.to(torch.float32).div_(127.5).sub_(1.0)
+    if (mean, std) == (127.5, 127.5):
+        return images.to(torch.float32).div_(127.5).sub_(1.0)
+    return images.to(torch.float32).sub_(mean).div_(std)
 
 
 def to_tensor(image: np.ndarray) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from facepipe.alignment import align_face, template, umeyama
+from facepipe.alignment import align_face, facenet_crop, template, umeyama
 from facepipe.config import PrepareParams
 from facepipe.data.decode import Decoded, Reject, header_pixels, load_image_reduced, max_file_bytes
 from facepipe.data.scan import FileTooLarge, ScanItem, read_raw_file
@@ -97,10 +97,22 @@ def _alignment_source(decoded: Decoded, data: bytes | None, face: Face, params: 
     return again.image, face.landmarks / again.reduction
 
 
+def _full_resolution(decoded: Decoded, data: bytes | None, params: PrepareParams) -> np.ndarray:
+    """The photo at full resolution (``crop: facenet`` cuts the box from it, as facenet-pytorch does)."""
+    if decoded.reduction == 1:
+        return decoded.image
+    assert data is not None  # process_chunk keeps the bytes of every reduced decode
+    return load_image_reduced(data, max_pixels=params.max_pixels, longest=None).image
+
+
 def _accept(path: str, sha: str, decoded: Decoded, data: bytes | None, face: Face, params: PrepareParams) -> Outcome:
     try:
-        image, landmarks = _alignment_source(decoded, data, face, params)
-        aligned = align_face(image, landmarks, params.image_size)
+        if params.crop == "facenet":
+            image = _full_resolution(decoded, data, params)
+            aligned = facenet_crop(image, face.box, image_size=params.image_size, margin=params.margin)
+        else:
+            image, landmarks = _alignment_source(decoded, data, face, params)
+            aligned = align_face(image, landmarks, params.image_size)
     except ValueError as error:
         return Outcome(path, sha, reason="bad_landmarks", detail=str(error))
     except Reject as reject:  # the full-resolution decode can fail where the reduced one did not

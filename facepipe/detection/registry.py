@@ -7,7 +7,7 @@ import os
 from facepipe.detection.base import Detector
 
 #: Names that ``prepare.detector`` accepts.
-DETECTORS = ("mtcnn", "retinaface", "none")
+DETECTORS = ("mtcnn", "retinaface", "none", "facenet_pytorch")
 
 
 def create_detector(
@@ -18,7 +18,7 @@ def create_detector(
     detect_size: int = 640,
     device: str = "auto",
 ) -> Detector:
-    """The detector ``name`` with its weights (MTCNN: facenet-pytorch's, shipped; RetinaFace: ``weights``
+    """The detector ``name`` with its weights (MTCNN, facepipe's cascade or facenet-pytorch's own: its weights, shipped; RetinaFace: ``weights``
     or the cached MobileNet-0.25 of ``facepipe weights fetch retinaface``; ``none``: pre-aligned crops,
     no network)."""
     if name == "mtcnn":
@@ -27,6 +27,12 @@ def create_detector(
         from facepipe.detection.mtcnn import MTCNNDetector
 
         return MTCNNDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
+    if name == "facenet_pytorch":
+        if weights is not None:
+            raise ValueError("facenet_pytorch uses the weights shipped with facenet-pytorch; weights are for retinaface")
+        from facepipe.detection.facenet_mtcnn import FacenetPytorchDetector
+
+        return FacenetPytorchDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
     if name == "retinaface":
         from facepipe.detection.retinaface import RetinaFaceDetector
 

@@ -12,10 +12,13 @@ from torch import nn
 from facepipe.progress import Progress
 
 
-def to_model_input(images: np.ndarray) -> torch.Tensor:
-    """[B, H, W, 3] uint8 RGB -> [B, 3, H, W] float32 in [-1, 1] (pixel / 127.5 - 1)."""
+def to_model_input(images: np.ndarray, *, mean: float = 127.5, std: float = 127.5) -> torch.Tensor:
+    """[B, H, W, 3] uint8 RGB -> [B, 3, H, W] float32 ``(pixel - mean) / std``: the model's
+    normalisation (model.json); the default, arcface's, is [-1, 1] computed as pixel / 127.5 - 1."""
     batch = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float()
-    return batch / 127.5 - 1.0
+    if (mean, std) == (127.5, 127.5):
+        return batch / 127.5 - 1.0
+    return (batch - mean) / std
 
 
 def _batches(images: Iterable[np.ndarray], size: int) -> Iterator[np.ndarray]:
@@ -34,18 +37,19 @@ def embed_images(
     flip: bool = True,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    normalization: tuple[float, float] = (127.5, 127.5),
 ) -> np.ndarray:
     """Embed ``count`` faces ([H, W, 3] uint8 RGB each) -> [count, E] float32, L2-normalized rows.
 
     With ``flip``, each face and its horizontal mirror go through the model in the same forward
     pass and their raw embeddings are summed before normalizing (the insightface convention).
-    ``model`` must already be in eval mode on ``device``.
+    ``model`` must already be in eval mode on ``device``; ``normalization`` is its (mean, std).
     """
     device = torch.device(device)
     chunks = []
     with Progress(count, desc="embed", unit="img", enabled=progress) as bar:
         for batch in _batches(images, batch_size):
-            x = to_model_input(batch).to(device)
+            x = to_model_input(batch, mean=normalization[0], std=normalization[1]).to(device)
             if flip:
                 out = model(torch.cat([x, x.flip(3)]))
                 out = out[: len(x)] + out[len(x) :]

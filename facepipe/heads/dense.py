@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from facepipe.heads.centres import init_centres
-from facepipe.heads.margins import Margin, normalized_cosines
+from facepipe.heads.margins import Margin, affine_logits, normalized_cosines
 
 
 class HeadOutput(NamedTuple):
@@ -26,8 +26,20 @@ class HeadOutput(NamedTuple):
     samples: int
 
 
+def initial_rows(margin: Margin, start: int, count: int, *, embedding_size: int, seed: int) -> torch.Tensor:
+    """The head's initial rows of classes ``[start, start + count)``: the seeded centres ``[count, E]``,
+    and for a non-angular head (softmax) a zero bias as one more column, ``[count, E + 1]``."""
+    centres = init_centres(start, count, embedding_size=embedding_size, seed=seed)
+    if margin.angular:
+        return centres
+    return torch.cat([centres, centres.new_zeros(count, 1)], dim=1)
+
+
 class MarginHead(nn.Module):
     """Class centres ``weight`` ``[C, E]`` plus a margin: embeddings and labels -> scaled logits.
+
+    With the ``softmax`` margin (not angular) ``weight`` is ``[C, E + 1]``, a linear layer's weight with
+    its bias as the last column, and the logits are ``embeddings @ W.T + b`` (facenet-pytorch's classifier).
 
     ``loss = F.cross_entropy(head(embeddings, labels), labels)`` (``loss_and_correct``). Under data
     parallelism it is replicated like the backbone (DDP averages its gradient too).
@@ -38,7 +50,7 @@ class MarginHead(nn.Module):
         self.margin = margin
         self.scale = float(scale)
         # the same centres as every rank's shard of the sharded head with this seed, together
-        self.weight = nn.Parameter(init_centres(0, num_classes, embedding_size=embedding_size, seed=seed))
+        self.weight = nn.Parameter(initial_rows(margin, 0, num_classes, embedding_size=embedding_size, seed=seed))
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """``[B, E]`` float (any precision) and ``[B]`` int64 in [0, C) -> ``[B, C]`` logits.
@@ -47,6 +59,8 @@ class MarginHead(nn.Module):
         whatever the autocast state.
         """
         labels = labels.long()
+        if not self.margin.angular:
+            return affine_logits(embeddings, self.weight)
         cos = normalized_cosines(embeddings, self.weight)
         target_cos = cos.detach().gather(1, labels.unsqueeze(1)).squeeze(1)
         return self.margin(cos, labels, target_cos) * self.scale
@@ -59,5 +73,5 @@ class MarginHead(nn.Module):
         return HeadOutput(F.cross_entropy(logits, labels), correct, labels.numel())
 
     def extra_repr(self) -> str:
-        classes, embedding_size = self.weight.shape
+        classes, embedding_size = self.weight.shape[0], self.weight.shape[1] - int(not self.margin.angular)
         return f"embedding_size={embedding_size}, num_classes={classes}, scale={self.scale}"

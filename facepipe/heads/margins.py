@@ -42,6 +42,19 @@ def normalized_cosines(embeddings: torch.Tensor, weight: torch.Tensor) -> torch.
     return cos.clamp(-1.0, 1.0)
 
 
+def affine_logits(embeddings: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``embeddings @ W.T + b``: ``[B, E]`` x ``[K, E + 1]`` (each class's row, its bias last) -> ``[B, K]``.
+
+    The bias rides as the last column of the class rows, so a sharded head's slicing, Partial FC's
+    sampling and the class-ordered checkpoints treat it as part of each class. float32 (float64
+    kept) with autocast disabled, as the margin heads compute.
+    """
+    dtype = compute_dtype(embeddings.dtype)
+    with torch.autocast(device_type=embeddings.device.type, enabled=False):
+        weight = weight.to(dtype)
+        return F.linear(embeddings.to(dtype), weight[:, :-1], weight[:, -1])
+
+
 def put_targets(logits: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``logits`` with ``targets[i]`` at ``[i, labels[i]]`` for rows with ``labels[i] >= 0``.
 
@@ -66,6 +79,9 @@ class Margin(nn.Module):
     """Turns class cosines into margin-adjusted cosines (the head multiplies by the scale)."""
 
     default_margin: ClassVar[float]
+    #: True: the head feeds cosines of normalized embeddings and centres and scales the result; False
+    #: (softmax): the head's logits are an affine map of the raw embedding, passed through unscaled.
+    angular: ClassVar[bool] = True
 
     def __init__(self, margin: float | None = None) -> None:
         super().__init__()
@@ -203,3 +219,25 @@ class CurricularFaceMargin(ArcFaceMargin):
         mean = (stats[0] / stats[1].clamp_min(1.0)).to(self.t.dtype)
         updated = self.t * (1.0 - self.momentum) + self.momentum * mean
         self.t.copy_(torch.where(stats[1] > 0, updated, self.t))
+
+
+@register_head("softmax")
+class SoftmaxLogits(Margin):
+    """No margin: facenet-pytorch's classifier (``InceptionResnetV1(classify=True)``'s ``logits``).
+
+    A linear layer with bias on the unnormalized embedding and plain cross-entropy; the head's
+    ``scale`` and ``margin`` do not apply (``margin`` is recorded as 0).
+    """
+
+    default_margin = 0.0
+    angular = False
+
+    def __init__(self, margin: float | None = None) -> None:
+        super().__init__(None)
+
+    def forward(self, cos: torch.Tensor, labels: torch.Tensor, target_cos: torch.Tensor) -> torch.Tensor:
+        """The head's logits unchanged (the argument named ``cos`` holds them)."""
+        return cos
+
+    def target_logit(self, cos: torch.Tensor) -> torch.Tensor:
+        return cos

@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from facepipe.heads.centres import init_centres
-from facepipe.heads.dense import HeadOutput
-from facepipe.heads.margins import Margin, compute_dtype, gather_targets, normalized_cosines
+from facepipe.heads.dense import HeadOutput, initial_rows
+from facepipe.heads.margins import Margin, affine_logits, compute_dtype, gather_targets, normalized_cosines
 from facepipe.heads.sampling import sample_classes
 
 
@@ -136,7 +135,7 @@ class ModelParallelMarginHead(nn.Module):
         self.margin = margin
         # drawn per block of classes: the gathered centres are the dense head's for this seed, any W
         self.weight = nn.Parameter(
-            init_centres(self.class_start, self.num_local, embedding_size=embedding_size, seed=seed)
+            initial_rows(margin, self.class_start, self.num_local, embedding_size=embedding_size, seed=seed)
         )
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -161,10 +160,13 @@ class ModelParallelMarginHead(nn.Module):
             key = (self.seed, *self.sample_key, self.class_start)
             self.last_index, local = sample_classes(local, num_local=self.num_local, sample_rate=self.sample_rate, key=key)
             weight = self.weight[self.last_index]  # the gradient reaches the sampled rows only
-        cos = normalized_cosines(all_embeddings, weight)
-        target_cos = gather_targets(cos.detach(), local)
-        dist.all_reduce(target_cos, op=dist.ReduceOp.SUM, group=group)
-        logits = self.margin(cos, local, target_cos) * self.scale
+        if self.margin.angular:
+            cos = normalized_cosines(all_embeddings, weight)
+            target_cos = gather_targets(cos.detach(), local)
+            dist.all_reduce(target_cos, op=dist.ReduceOp.SUM, group=group)
+            logits = self.margin(cos, local, target_cos) * self.scale
+        else:  # softmax: a linear layer with bias on the raw embeddings, no margin, no scale
+            logits = affine_logits(all_embeddings, weight)
         loss, correct = _ShardedCrossEntropy.apply(logits, local, group)
         return HeadOutput(loss, correct, local.numel())
 
@@ -198,7 +200,7 @@ class ModelParallelMarginHead(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"embedding_size={self.weight.shape[1]}, num_classes={self.num_classes}, scale={self.scale}, "
+            f"embedding_size={self.weight.shape[1] - int(not self.margin.angular)}, num_classes={self.num_classes}, scale={self.scale}, "
             f"sample_rate={self.sample_rate}, "
             f"classes=[{self.class_start}, {self.class_start + self.num_local}) of rank {self.rank}/{self.world_size}"
         )

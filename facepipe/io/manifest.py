@@ -81,6 +81,13 @@ def build_manifest(
     return manifest
 
 
+def shard_set_crop(manifest: Mapping[str, Any]) -> str:
+    """How the set's faces were cut (``prepare.crop``): recorded only when not arcface, the crop of
+    every set prepared before there was a choice (and of imported sets: aligned crops)."""
+    params = manifest.get("params")
+    return str(params.get("crop", "arcface")) if isinstance(params, Mapping) else "arcface"
+
+
 def excluded_count(manifest: Mapping[str, Any]) -> int:
     """Stored samples that a later generation excluded (0 for a set of one generation)."""
     return sum(len(indexes) for g in manifest.get("generations", []) for indexes in g.get("excluded", {}).values())

@@ -3,16 +3,20 @@
 ::
 
     MODEL/backbone.pt   the backbone's state_dict only (tensors; read with weights_only=True)
-    MODEL/model.json    how to rebuild it: {"backbone", "embedding_size", "image_size"}, and the
-                        sha256 of backbone.pt ("weights_sha256"), checked whenever it is loaded
+    MODEL/model.json    how to rebuild it: {"backbone", "embedding_size", "image_size"}; how its
+                        input was made ("crop", "normalization"); the starting weights ("init_from":
+                        kind, file name, sha256); and the sha256 of backbone.pt ("weights_sha256"),
+                        checked whenever it is loaded
     MODEL/checkpoints/  MODEL/metrics.json  MODEL/plots/metrics/   written while training
 
 ``model.json`` is written last, after ``backbone.pt`` is in place (each by a temporary file and a
 rename), and removed first when a run starts that will replace them: weights and spec never come
 from two runs, and a folder without ``model.json`` is not (yet) a model.
 
-The backbone takes [B, 3, image_size, image_size] float RGB in [-1, 1] (pixel / 127.5 - 1) and
-returns [B, embedding_size] embeddings.
+The backbone takes [B, 3, image_size, image_size] float RGB, (pixel - mean) / std with the
+``normalization`` of model.json (its family's: arcface (x - 127.5) / 127.5, facenet (x - 127.5) / 128),
+and returns [B, embedding_size] embeddings. Every reader of a model takes the normalisation and the
+crop from model.json; a model.json without them (written before they were recorded) means arcface.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from facepipe.config import CropName
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_write, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.shards import sha256_file
 from facepipe.models import Backbone, create_backbone
+from facepipe.models.backbone import NORMALIZATIONS
 
 WEIGHTS_FILE = "backbone.pt"
 SPEC_FILE = "model.json"
@@ -70,6 +76,30 @@ class ModelSpec(BaseModel):
     backbone: str
     embedding_size: int = Field(ge=1)
     image_size: int = Field(ge=16)
+    crop: CropName = "arcface"
+    normalization: Normalization = Field(default_factory=lambda: Normalization.of("arcface"))
+    init_from: dict[str, str] | None = None
+
+
+class Normalization(BaseModel):
+    """Network input = (pixel - mean) / std, pixel in [0, 255]; the model family's (``NORMALIZATIONS``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    family: str
+    mean: float
+    std: float
+
+    @classmethod
+    def of(cls, family: str) -> Normalization:
+        mean, std = NORMALIZATIONS[family]
+        return cls(family=family, mean=mean, std=std)
+
+    def describe(self) -> str:
+        return f"RGB (pixel - {self.mean:g}) / {self.std:g} ({self.family})"
+
+
+ModelSpec.model_rebuild()
 
 
 def write_model_spec(model_dir: str | Path, spec: ModelSpec, *, weights_sha256: str | None = None) -> None:

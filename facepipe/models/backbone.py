@@ -15,13 +15,19 @@ from facepipe.errors import FacepipeError
 
 _SHOWN_KEYS = 5
 
+#: Pixel normalisation of each model family: network input = (pixel - mean) / std, pixel in [0, 255].
+#: arcface (insightface and its descendants): [-1, 1]; facenet (facenet-pytorch's
+#: ``fixed_image_standardization``): (x - 127.5) / 128, what its published weights were trained on.
+NORMALIZATIONS: dict[str, tuple[float, float]] = {"arcface": (127.5, 127.5), "facenet": (127.5, 128.0)}
+
 
 class WeightsError(FacepipeError):
     """A weights file that is missing, unreadable, or does not fit the backbone."""
 
 
 class Backbone(nn.Module):
-    """Base of registered backbones: ``[B, 3, H, W]`` float in [-1, 1] -> ``[B, E]`` float.
+    """Base of registered backbones: ``[B, 3, H, W]`` float, normalised as the ``family`` says (arcface:
+    [-1, 1]; facenet: (pixel - 127.5) / 128) -> ``[B, E]`` float.
 
     Subclasses run each residual stage through ``run_stage`` so that ``gradient_checkpointing``
     applies to all of them, and list in ``ignored_weight_prefixes`` the keys of published
@@ -29,6 +35,8 @@ class Backbone(nn.Module):
     """
 
     ignored_weight_prefixes: tuple[str, ...] = ()
+    #: the model family, which fixes the pixel normalisation (``NORMALIZATIONS``) recorded in model.json
+    family: str = "arcface"
 
     def __init__(self, *, embedding_size: int, image_size: int) -> None:
         super().__init__()

@@ -27,6 +27,7 @@ class InceptionResnetV1Backbone(Backbone):
     """
 
     ignored_weight_prefixes = ("logits.",)
+    family = "facenet"
 
     def __init__(self, *, embedding_size: int, image_size: int) -> None:
         super().__init__(embedding_size=embedding_size, image_size=image_size)

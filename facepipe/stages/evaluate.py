@@ -29,7 +29,7 @@ from facepipe.evaluation.embed import embed_images
 from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
 from facepipe.evaluation.verification import VerificationResult, cosine_scores, thin_roc, verification_metrics
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
-from facepipe.io.manifest import check_shard_set, dumps
+from facepipe.io.manifest import check_shard_set, dumps, shard_set_crop
 from facepipe.io.model_dir import load_backbone
 from facepipe.io.shards import ShardSet
 from facepipe.plots import roc_png
@@ -190,6 +190,12 @@ def run(
     image_size = shard_set.manifest.get("image", {}).get("size")
     if image_size != spec.image_size:
         raise FacepipeError(f"model expects {spec.image_size}px faces, shard set {prepared} holds {image_size}px")
+    crop = shard_set_crop(shard_set.manifest)
+    if crop != spec.crop:
+        raise FacepipeError(
+            f"model was trained on {spec.crop} crops, shard set {prepared} holds {crop} crops "
+            f"(prepare.crop): evaluate it on a set prepared with crop: {spec.crop}"
+        )
 
     images, inverse = np.unique(indexes, return_inverse=True)
     inverse = inverse.reshape(indexes.shape)
@@ -202,6 +208,7 @@ def run(
         flip=params.flip,
         device=device,
         progress=progress,
+        normalization=(spec.normalization.mean, spec.normalization.std),
     )
     scores = cosine_scores(embeddings[inverse[:, 0]], embeddings[inverse[:, 1]])
     result = verification_metrics(scores, same, folds=params.folds, far_targets=params.far_targets)

@@ -12,6 +12,7 @@ tolerance fails the stage, and then nothing is written.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from facepipe.errors import FacepipeError
 from facepipe.exporting import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import dumps
-from facepipe.io.model_dir import load_backbone
+from facepipe.io.model_dir import ModelSpec, load_backbone
 from facepipe.io.shards import sha256_file
 
 log = logging.getLogger("facepipe.export")
@@ -59,6 +60,7 @@ def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[st
                 atol=params.atol,
                 rtol=params.rtol,
                 opset=params.opset,
+                metadata=onnx_metadata(spec),
             )
             log.info(
                 "export: %s max |diff| %.3g, of normalised embeddings %.3g vs PyTorch",
@@ -85,7 +87,9 @@ def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[st
                 "name": INPUT_NAME,
                 "shape": ["batch", 3, spec.image_size, spec.image_size],
                 "dtype": "float32",
-                "preprocessing": "aligned RGB face, pixel / 127.5 - 1 (range [-1, 1])",
+                "preprocessing": f"{spec.crop} face crop, {spec.normalization.describe()}",
+                "crop": spec.crop,
+                "normalization": spec.normalization.model_dump(),
             },
             "output": {
                 "name": OUTPUT_NAME,
@@ -103,6 +107,16 @@ def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[st
         }
         (tmp / REPORT_FILE).write_text(dumps(report))
     return report
+
+
+def onnx_metadata(spec: ModelSpec) -> dict[str, str]:
+    """What a runtime needs besides the graph: the crop and the pixel normalisation of ``model.json``."""
+    return {
+        "facepipe.backbone": spec.backbone,
+        "facepipe.crop": spec.crop,
+        "facepipe.normalization": json.dumps(spec.normalization.model_dump(), sort_keys=True),
+        "facepipe.preprocessing": f"{spec.crop} face crop, {spec.normalization.describe()}",
+    }
 
 
 def summary_line(report: dict[str, Any]) -> str:

@@ -276,6 +276,10 @@ class Generation:
 def _manifest_params(params: PrepareParams) -> dict[str, Any]:
     """The resolved parameters for the manifest; weights given by path are recorded by name and sha256."""
     resolved = params.model_dump()
+    if params.crop == "arcface":
+        # recorded only when it differs from the one crop there was before: earlier sets keep their
+        # manifest byte for byte (and stay growable by --update)
+        del resolved["crop"], resolved["margin"]
     if params.detector_weights is not None:
         from facepipe.detection.weights import weights_record
 

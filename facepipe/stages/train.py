@@ -37,7 +37,7 @@ from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
 from facepipe.data.sampler import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import create_head, create_model_parallel_head
-from facepipe.io.manifest import check_shard_set
+from facepipe.io.manifest import check_shard_set, shard_set_crop
 from facepipe.io.atomic import check_output, remove_stale_temporaries
 from facepipe.io.model_dir import (
     CHECKPOINT_DIR,
@@ -45,10 +45,12 @@ from facepipe.io.model_dir import (
     SPEC_FILE,
     WEIGHTS_FILE,
     ModelSpec,
+    Normalization,
     remove_model_files,
     save_model_dir,
 )
 from facepipe.models import create_backbone
+from facepipe.models.pretrained import load_init_weights
 from facepipe.parallel import loader_workers
 from facepipe.training.checkpoint import agreed_resume_point, encode_class_names, remove_checkpoints
 from facepipe.training.distributed import (
@@ -60,7 +62,7 @@ from facepipe.training.distributed import (
 )
 from facepipe.training.metrics import TrainMetrics, draw_curves
 from facepipe.training.optimizer import build_optimizer
-from facepipe.training.schedule import Plan, build_scheduler, make_plan
+from facepipe.training.schedule import Plan, build_scheduler, make_plan, milestone_steps
 from facepipe.training.memory import batch_limit, cached_batch_size, find_batch_size
 from facepipe.training.trainer import AMP_DTYPES, FaceModel, LoopOptions, Trainer
 
@@ -125,6 +127,8 @@ def build_head(params: TrainParams, *, num_classes: int) -> nn.Module:
 
     Its centres come from ``train.seed`` alone: the same for both kinds and any number of processes.
     """
+    if params.head == "softmax" and params.margin is not None:
+        log.warning("train.margin %s does not apply to head softmax (nor train.scale): ignored", params.margin)
     kwargs = {"embedding_size": params.embedding_size, "num_classes": num_classes, "scale": params.scale}
     if params.head_parallel == "sharded" and dist.is_initialized() and dist.get_world_size() > 1:
         return create_model_parallel_head(
@@ -179,8 +183,11 @@ def check_resumable(
         saved_accum = state["config"].get("accum_steps", 1)
         if params.head == "curricularface" and (saved_accum > 1) != (params.accum_steps > 1):
             ignored = ignored - {"accum_steps"}
-    saved = {k: v for k, v in state["config"].items() if k not in ignored}
     wanted = {k: v for k, v in params.model_dump(mode="json").items() if k not in ignored}
+    # a key the checkpoint lacks was added to TrainParams after it was written: it trained with the default
+    defaults = TrainParams.model_construct().model_dump(mode="json")
+    saved = {k: state["config"].get(k, defaults.get(k)) for k in state["config"].keys() | defaults.keys()}
+    saved = {k: v for k, v in saved.items() if k not in ignored}
     changed = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k))
     if changed:
         first = changed[0]
@@ -264,10 +271,11 @@ def _train(
     _warn_single_process(params, context)
     dataset = _open_dataset(params, prepared, identities=identities)
     model = _build_on_device(params, context, dataset=dataset, model_factory=model_factory)
+    init = load_init_weights(model.backbone, params.init_from) if params.init_from is not None else None
     params = _resolve_batch_size(params, model, context, dataset=dataset, checkpoints=out / CHECKPOINT_DIR, fresh=fresh)
     plan = make_plan(params, num_samples=len(dataset), world_size=context.world_size)
     _log_plan(dataset, plan)
-    trainer = _make_trainer(model, params, plan, context)
+    trainer = _make_trainer(model, params, plan, context, normalization=_normalization(model))
     fingerprint = data_fingerprint(dataset)
     resumed_from = _resume(
         trainer,
@@ -278,10 +286,19 @@ def _train(
         fresh=fresh,
         trust_unverified=trust_unverified,
     )
+    if resumed_from is not None and init is not None:
+        log.info("resuming from the checkpoint of step %d: its weights replace train.init_from's", resumed_from)
     if context.is_main:
         remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
 
-    spec = ModelSpec(backbone=params.backbone, embedding_size=params.embedding_size, image_size=dataset.image_size)
+    spec = ModelSpec(
+        backbone=params.backbone,
+        embedding_size=params.embedding_size,
+        image_size=dataset.image_size,
+        crop=shard_set_crop(dataset.shards.manifest),
+        normalization=Normalization.of(getattr(model.backbone, "family", "arcface")),
+        init_from=None if init is None else init.as_dict(),
+    )
     options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
     sampler, loader = _make_loader(params, context, dataset=dataset)
     start_step, fit_started = trainer.state.step, time.perf_counter()
@@ -445,9 +462,27 @@ def _loop_options(
     )
 
 
-def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Distributed) -> Trainer:
+def _normalization(model: FaceModel) -> tuple[float, float]:
+    """(mean, std) of the backbone's family: the pixel normalisation model.json records."""
+    normalization = Normalization.of(getattr(model.backbone, "family", "arcface"))
+    return normalization.mean, normalization.std
+
+
+def _make_trainer(
+    model: FaceModel, params: TrainParams, plan: Plan, context: Distributed, *, normalization: tuple[float, float]
+) -> Trainer:
+    # one module when the rates are equal: the two parameter groups every earlier checkpoint holds
+    modules, scales = ([model], None) if params.backbone_lr_scale == 1 else (
+        [model.backbone, model.head],
+        [params.backbone_lr_scale, 1.0],
+    )
     optimizer = build_optimizer(
-        [model], name=params.optimizer, lr=plan.lr, momentum=params.momentum, weight_decay=params.weight_decay
+        modules,
+        name=params.optimizer,
+        lr=plan.lr,
+        momentum=params.momentum,
+        weight_decay=params.weight_decay,
+        lr_scales=scales,
     )
     scheduler = build_scheduler(
         optimizer,
@@ -456,6 +491,8 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
         decay=params.decay,
         power=params.poly_power,
         min_ratio=params.min_lr_ratio,
+        milestones=milestone_steps(params.milestones, plan.steps_per_epoch),
+        gamma=params.gamma,
     )
     return Trainer(
         model,
@@ -468,6 +505,8 @@ def _make_trainer(model: FaceModel, params: TrainParams, plan: Plan, context: Di
         comm_hook=params.comm_hook,
         powersgd_rank=params.powersgd_rank,
         channels_last=params.channels_last,
+        normalization=normalization,
+        freeze_epochs=params.freeze_epochs,
         powersgd_start_iter=powersgd_start(
             params.powersgd_start_iter, total_steps=plan.total_steps, warmup_steps=plan.warmup_steps
         ),

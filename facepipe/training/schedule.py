@@ -7,6 +7,7 @@ written back into the configuration.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,15 +52,21 @@ def lr_factor(
     decay: Decay,
     power: float = 2.0,
     min_ratio: float = 0.0,
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
 ) -> float:
     """Multiplier of the peak rate for optimizer step ``step`` (0-based).
 
     Linear warmup ``(step + 1) / warmup_steps`` (never 0, so the first step moves the weights), then
     from 1 down to ``min_ratio`` at ``total_steps``: ``cosine`` is ``m + (1 - m)(1 + cos(pi t)) / 2``,
-    ``poly`` is ``m + (1 - m)(1 - t)^power``, with t the fraction of the decay done.
+    ``poly`` is ``m + (1 - m)(1 - t)^power``, with t the fraction of the decay done. ``step`` is
+    PyTorch's MultiStepLR in optimizer steps: ``gamma`` to the number of ``milestones`` (steps) at or
+    before ``step`` (``min_ratio`` does not apply).
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    if decay == "step":
+        return gamma ** sum(step >= milestone for milestone in milestones)
     t = min(max((step - warmup_steps) / max(total_steps - warmup_steps, 1), 0.0), 1.0)
     if decay == "cosine":
         shape = 0.5 * (1.0 + math.cos(math.pi * t))
@@ -78,12 +85,22 @@ def build_scheduler(
     decay: Decay,
     power: float = 2.0,
     min_ratio: float = 0.0,
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
 ) -> LambdaLR:
-    """A scheduler stepped once per optimizer step; the optimizer's ``lr`` is the peak rate."""
+    """A scheduler stepped once per optimizer step; each group's ``lr`` is its peak rate."""
+    milestones = tuple(milestones)
 
     def factor(step: int) -> float:
         return lr_factor(
-            step, total_steps=total_steps, warmup_steps=warmup_steps, decay=decay, power=power, min_ratio=min_ratio
+            step,
+            total_steps=total_steps,
+            warmup_steps=warmup_steps,
+            decay=decay,
+            power=power,
+            min_ratio=min_ratio,
+            milestones=milestones,
+            gamma=gamma,
         )
 
     return LambdaLR(optimizer, factor)
@@ -105,6 +122,11 @@ class Plan:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def milestone_steps(milestones: Sequence[int], steps_per_epoch: int) -> tuple[int, ...]:
+    """``train.milestones`` (epochs) as optimizer steps: the first step of each of those epochs."""
+    return tuple(epoch * steps_per_epoch for epoch in milestones)
 
 
 def make_plan(params: TrainParams, *, num_samples: int, world_size: int) -> Plan:

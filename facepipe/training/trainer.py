@@ -134,8 +134,14 @@ class Trainer:
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 2,
         channels_last: bool = False,
+        normalization: tuple[float, float] = (127.5, 127.5),
+        freeze_epochs: int = 0,
     ) -> None:
         check_precision(amp, context.device)
+        #: (mean, std) of the model's pixel normalisation (model.json), applied on the device
+        self.normalization = normalization
+        #: epochs at the start with the backbone frozen: no gradient, eval-mode BatchNorm (statistics kept)
+        self.freeze_epochs = freeze_epochs
         self.context = context
         self.plan = plan
         self.module = model
@@ -174,10 +180,14 @@ class Trainer:
         number, so k micro-batches of b equal one batch of k*b. Returns the learning rate used.
         """
         device = self.context.device
+        frozen = self.backbone_frozen
         self.model.train()
+        if frozen:
+            self.module.backbone.eval()  # BatchNorm normalises with, and keeps, its running statistics
         last = len(micro_batches) - 1
+        mean, std = self.normalization
         for index, (images, labels) in enumerate(micro_batches):
-            images = normalize(images.to(device, non_blocking=True))  # uint8 batches: [-1, 1] on the device
+            images = normalize(images.to(device, non_blocking=True), mean=mean, std=std)  # uint8 batches, on the device
             if self.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             labels = labels.to(device, non_blocking=True)
@@ -188,10 +198,12 @@ class Trainer:
                     device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
                 ):
                     # the heads compute cosines, margins and softmax in float32 whatever the autocast
-                    output = self._forward(images, labels)
+                    output = self._forward(images, labels, frozen=frozen)
                 self.scaler.scale(output.loss / len(micro_batches)).backward()
             self._accumulate(output)
-        self.last_lr = self.optimizer.param_groups[0]["lr"]
+        if frozen:
+            self._average_head_gradients()
+        self.last_lr = self.optimizer.param_groups[-1]["lr"]  # the head's: backbone_lr_scale scales only the backbone
         self.scaler.unscale_(self.optimizer)
         if self.grad_clip is not None:
             self._clip_gradients(self.grad_clip)
@@ -216,10 +228,31 @@ class Trainer:
             reset_powersgd(self.hook_state)
             log.warning("step %d skipped (fp16 overflow): PowerSGD's error feedback reset", self.state.step)
 
-    def _forward(self, images: torch.Tensor, labels: torch.Tensor) -> HeadOutput:
+    @property
+    def backbone_frozen(self) -> bool:
+        """True during the first ``freeze_epochs`` epochs: a function of the position, so resuming repeats it."""
+        return self.state.epoch < self.freeze_epochs
+
+    def _forward(self, images: torch.Tensor, labels: torch.Tensor, *, frozen: bool = False) -> HeadOutput:
+        if frozen:
+            # The backbone outside DDP and autograd: no backbone gradient, so the optimizer leaves its
+            # weights (and their momentum / Adam moments) exactly as they are.
+            with torch.no_grad():
+                embeddings = self.module.backbone(images)
+            return self.module.head.loss_and_correct(embeddings, labels)
         if self.sharded:
             return self.module.head.loss_and_correct(self.model(images), labels)
         return self.model(images, labels)
+
+    def _average_head_gradients(self) -> None:
+        """What DDP does for a replicated (dense) head when the frozen step bypasses it: the mean over
+        ranks. A sharded head's rows are per rank and already see the global batch."""
+        if not self.context.enabled or self.sharded:
+            return
+        for parameter in self.module.head.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad)
+                parameter.grad.div_(self.context.world_size)
 
     def _clip_gradients(self, max_norm: float) -> None:
         """Scale all gradients so that the norm of backbone + head (all ranks' centres) is <= max_norm."""
@@ -362,9 +395,9 @@ class Trainer:
         """Point the schedule at ``step`` with this world's peak rate (not the one in the checkpoint)."""
         factor = self.scheduler.lr_lambdas[0](step)
         for group in self.optimizer.param_groups:
-            group["initial_lr"] = self.plan.lr
-            group["lr"] = self.plan.lr * factor
-        self.scheduler.base_lrs = [self.plan.lr] * len(self.optimizer.param_groups)
+            group["initial_lr"] = self.plan.lr * group.get("lr_scale", 1.0)
+            group["lr"] = group["initial_lr"] * factor
+        self.scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         self.scheduler.last_epoch = step
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
