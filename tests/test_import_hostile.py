@@ -150,6 +150,7 @@ def test_the_header_may_promise_twice_the_keys_the_index_holds(tmp_path, data_li
     assert report["identity_records"] == {"read": 0, "missing": 34, "unusable": 0}
 
 
+@pytest.mark.slow  # one subprocess: 10-20 s of imports
 def test_forged_headers_and_a_forged_frame_length_under_a_memory_limit(tmp_path):
     """Each forged number under a data-segment limit: the old reader allocated by the header's
     identity range (7.8 GB at 1e8) and read a 512 MiB part of a 10 kB file, and fails here."""
