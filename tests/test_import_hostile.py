@@ -27,6 +27,7 @@ from test_import import arcface_read, crop, records, rejects
 
 from facepipe.cli import main
 from facepipe.config import PrepareParams
+from facepipe.io import recordio
 from facepipe.io.recordio import FLOAT32_EXACT, MAGIC, IRHeader, RecordIOError, RecordIOWriter, frame, pack, read_index, read_property, scan_offsets
 from facepipe.stages import import_rec
 from facepipe.stages.inspect import verify
@@ -327,9 +328,48 @@ def test_a_pack_with_nothing_importable_exits_non_zero_and_writes_nothing(tmp_pa
     folder = tmp_path / "pack"
     folder.mkdir()
     with RecordIOWriter(folder / "train.rec", folder / "train.idx") as writer:
-        for key in range(3):
+        writer.write(0, pack(IRHeader(0, 0.0, 0), b""))
+        writer.write(1, pack(IRHeader(0, 1e30, 1), crop(1)))
+        for key in range(2, 4):
             writer.write(key, pack(IRHeader(0, float(key), key), b"not an image %d" % key))
     assert main(["import", str(folder), str(tmp_path / "out"), "--workers", "1"]) == 2
     err = capsys.readouterr().err
-    assert err == f"facepipe import: error: nothing imported from {folder / 'train.rec'}: all 3 records were rejected (not_an_image 3)\n"
+    reasons = "not_an_image 2, bad_label 1, empty_file 1"  # most frequent first, then by name
+    assert err == f"facepipe import: error: nothing imported from {folder / 'train.rec'}: all 4 records were rejected ({reasons})\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]
+
+
+def test_the_scan_finds_a_record_a_whole_read_block_past_an_unframed_one(tmp_path):
+    """The resynchronising scan reads 1 MiB blocks (plus the word after them): a record starting on
+    the last word of the first block, and one far into a later block, are both found."""
+    path = tmp_path / "r.rec"
+    junk = b"JUNK" * ((1 << 20) // 4)  # the scan resumes at offset 4: the block ends at 4 + 2^20
+    second_junk = b"JUNK" * 200_000
+    path.write_bytes(junk + frame(b"found") + second_junk + frame(b"late"))
+    gaps: list[tuple[int, int]] = []
+    first = 1 << 20
+    late = first + len(frame(b"found")) + len(second_junk)
+    assert list(scan_offsets(path, gaps=gaps)) == [0, first, first + len(frame(b"found")), late]
+    assert gaps == [(0, first), (first + len(frame(b"found")), len(second_junk))]
+
+
+def test_the_scan_reads_in_bounded_blocks(tmp_path):
+    """A pack of gigabytes without its index is skipped over block by block, never read whole."""
+    path = tmp_path / "r.rec"
+    path.write_bytes(b"JUNK" * (3 << 18) + frame(b"end"))  # 3 MiB of junk
+    sizes: list[int | None] = []
+
+    class Counting:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def read(self, size=-1):
+            sizes.append(size)
+            return self.handle.read(size)
+
+    with open(path, "rb") as handle:
+        assert recordio._next_record_start(Counting(handle), 4, path.stat().st_size) == 3 << 20
+    assert sizes == [(1 << 20) + 4] * 3
