@@ -151,7 +151,7 @@ def read_index(path: str | os.PathLike[str]) -> np.ndarray:
                 if (block < 0).any() or len(block) != sum(1 for line in lines if line.strip()):
                     raise ValueError
             except (ValueError, OverflowError):
-                _raise_bad_line(path, lines, line_number)
+                raise _bad_line(path, lines, line_number) from None
             blocks.append(block)
             line_number += len(lines)
     return np.concatenate(blocks) if blocks else np.zeros((0, 2), dtype=np.int64)
@@ -160,13 +160,16 @@ def read_index(path: str | os.PathLike[str]) -> np.ndarray:
 _INDEX_BLOCK_BYTES = 8 << 20
 
 
-def _raise_bad_line(path: str | os.PathLike[str], lines: list[str], first_number: int) -> None:
-    """Raise RecordIOError naming the first line of ``lines`` that is not ``key<TAB>offset``."""
-    for number, line in enumerate(lines, start=first_number):
-        fields = line.split()
-        if fields and not (len(fields) == 2 and all(field.isdigit() and int(field) < _INT64_END for field in fields)):
-            raise RecordIOError(f"{path} line {number} is not 'key<TAB>offset' (two whole numbers below 2^63): {line.strip()[:60]!r}")
-    raise RecordIOError(f"{path} lines {first_number}-{first_number + len(lines) - 1} do not parse")
+def _bad_line(path: str | os.PathLike[str], lines: list[str], first_number: int) -> RecordIOError:
+    """The error naming the first line of ``lines`` (the block that failed to parse) that is neither
+    blank nor ``key<TAB>offset``: two whole numbers below 2^63, the only lines int64 parses."""
+    number, line = next((n, line) for n, line in enumerate(lines, start=first_number) if not _index_line(line))
+    return RecordIOError(f"{path} line {number} is not 'key<TAB>offset' (two whole numbers below 2^63): {line.strip()[:60]!r}")
+
+
+def _index_line(line: str) -> bool:
+    fields = line.split()
+    return not fields or (len(fields) == 2 and all(field.isdigit() and int(field) < _INT64_END for field in fields))
 
 
 def scan_offsets(path: str | os.PathLike[str], *, gaps: list[tuple[int, int]] | None = None) -> Iterator[int]:
