@@ -301,6 +301,8 @@ def test_labels_that_are_not_0_to_k_import_every_image_as_arcface_torch_reads_th
     report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
     assert report["counts"] == {"scanned": 12, "accepted": 12, "rejected": 0}
     assert json.loads((tmp_path / "out" / "labels.json").read_text()) == names
+    runs = sum(1 for key in range(len(labels)) if key == 0 or labels[key] != labels[key - 1])
+    assert report["identity_records"] == {"read": runs, "missing": 0, "unusable": 0}
     stored = records(tmp_path / "out")
     assert {path: names[label] for path, (label, _) in stored.items()} == {
         f"{label}/train.rec#{key}": str(label) for key, label in enumerate(labels, start=1)
@@ -373,3 +375,88 @@ def test_the_scan_reads_in_bounded_blocks(tmp_path):
     with open(path, "rb") as handle:
         assert recordio._next_record_start(Counting(handle), 4, path.stat().st_size) == 3 << 20
     assert sizes == [(1 << 20) + 4] * 3
+
+
+def _rewrite(folder: Path, key: int, at: int, data: bytes) -> None:
+    """Overwrite bytes ``at`` .. of record ``key`` (frame header 8 bytes, IRHeader 24, labels)."""
+    offset = dict(read_index(folder / "train.idx"))[key]
+    rec = bytearray((folder / "train.rec").read_bytes())
+    rec[offset + at : offset + at + len(data)] = data
+    (folder / "train.rec").write_bytes(bytes(rec))
+
+
+@pytest.mark.parametrize(
+    "at, data, why",
+    [
+        (32, struct.pack("<2f", 2.0, 2.0), "range [2.0, 2.0] is not within the image keys 1..6"),
+        (32, struct.pack("<2f", 0.0, 3.0), "range [0.0, 3.0] is not within the image keys 1..6"),
+        (32, struct.pack("<2f", 5.0, 8.0), "range [5.0, 8.0] is not within the image keys 1..6"),
+        (32, struct.pack("<2f", 3.0, 4.5), "range [3.0, 4.5] is not within the image keys 1..6"),
+        (8, struct.pack("<I", 0), "label 0.0 is not a range [first, end)"),
+        (8, struct.pack("<I", 1), "label (3.0,) is not a range [first, end)"),
+        (0, b"JUNK", "bad magic 0x4b4e554a at offset {offset}"),
+    ],
+)
+def test_an_unusable_identity_record_is_named_in_the_one_warning(tmp_path, caplog, at, data, why):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [0, 0, 1, 1, 2, 2])  # identity records 7 [1, 3), 8 [3, 5), 9 [5, 7)
+    _rewrite(folder, 8, at, data)
+    with caplog.at_level(logging.WARNING, logger="facepipe.import"):
+        report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 6, "accepted": 6, "rejected": 0}
+    assert report["identity_records"] == {"read": 2, "missing": 0, "unusable": 1}
+    why = why.format(offset=dict(read_index(folder / "train.idx"))[8])
+    assert [r.getMessage() for r in caplog.records if r.name == "facepipe.import"] == [
+        f"1 of 3 identity records of the header are missing (0) or unusable (1), e.g. key 8: {why}:"
+        " their images are checked against their own labels only"
+    ]
+
+
+def test_one_missing_identity_record_is_the_one_example(tmp_path, caplog):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [0, 0, 1, 1, 2, 2])
+    forge_header(folder, 7.0, 11.0)  # identity records 7, 8, 9 and a missing 10
+    with caplog.at_level(logging.WARNING, logger="facepipe.import"):
+        report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert report["identity_records"] == {"read": 3, "missing": 1, "unusable": 0}
+    assert [r.getMessage() for r in caplog.records if r.name == "facepipe.import"] == [
+        "1 of 4 identity records of the header are missing (1) or unusable (0), e.g. key 10: missing from the index:"
+        " their images are checked against their own labels only"
+    ]
+
+
+def test_missing_identity_records_show_the_first_three(tmp_path, caplog, data_limit):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [0, 0, 1, 1, 2, 2])  # 10 keys
+    forge_header(folder, 7.0, 27.0)  # identity records 7..26: 17 missing
+    with caplog.at_level(logging.WARNING, logger="facepipe.import"):
+        import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "facepipe.import"] == [
+        "17 of 20 identity records of the header are missing (17) or unusable (0), e.g. key 10: missing from the"
+        " index; key 11: missing from the index; key 12: missing from the index: their images are checked against"
+        " their own labels only"
+    ]
+
+
+def test_a_range_s_label_is_its_first_readable_image_s(tmp_path):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [5, 5, 5, 5, 6, 6])  # identity records 7 [1, 5), 8 [5, 7)
+    _rewrite(folder, 1, 0, b"JUNK")  # key 1 unreadable: key 2 gives the range its label
+    _rewrite(folder, 2, 32, struct.pack("<f", 6.0))  # key 2 says 6: the range's label
+    report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert rejects(tmp_path / "out") == {"train.rec#1": "bad_record", "5/train.rec#3": "label_mismatch", "5/train.rec#4": "label_mismatch"}
+    assert report["counts"] == {"scanned": 6, "accepted": 3, "rejected": 3}
+
+
+def test_a_header_without_identity_records_and_one_without_images(tmp_path, capsys):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [0, 0, 1, 1, 2, 2])  # 10 keys
+    forge_header(folder, 7.0, 7.0)  # no identity records: keys 7-9 are strays
+    report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 9, "accepted": 6, "rejected": 3}
+    assert report["identity_records"] == {"read": 0, "missing": 0, "unusable": 0}
+    assert set(rejects(tmp_path / "out").values()) == {"bad_record"}
+    forge_header(folder, 1.0, 1.0)  # no images: every key but the header is a stray
+    assert main(["import", str(folder), str(tmp_path / "none"), "--workers", "1"]) == 2
+    rec = folder / "train.rec"
+    assert capsys.readouterr().err == f"facepipe import: error: nothing imported from {rec}: all 9 records were rejected (bad_record 9)\n"

@@ -30,6 +30,7 @@ gives the same RGB, so colours carry over unchanged.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -186,10 +187,11 @@ def read_layout(pack: RecPack, handle: IO[bytes]) -> Layout:
             problems.append((key, str(error)))
             continue
         label = _range_label(handle, image_offsets[start - 1 : end - 1])
-        expected[start - 1 : end - 1] = -1 if label is None else label
+        if label is not None:  # else every image of the range is rejected before its label is compared
+            expected[start - 1 : end - 1] = label
     missing = identities_end - images_end - len(present)
     counts = {"read": len(present) - len(problems), "missing": missing, "unusable": len(problems)}
-    _warn_identity_records(problems, counts, _first_missing(present, images_end, identities_end, few=3))
+    _warn_identity_records(problems, counts, _missing_keys(present, images_end, identities_end))
     stray = unique[unique >= identities_end]
     return Layout(image_keys, image_offsets, expected, True, stray, counts)
 
@@ -272,24 +274,23 @@ def whole_label(value: float) -> int | None:
     return int(value) if math.isfinite(value) and 0 <= value < FLOAT32_EXACT and value == int(value) else None
 
 
-def _first_missing(present: np.ndarray, start: int, end: int, *, few: int) -> list[int]:
-    """The first ``few`` keys of ``start .. end-1`` not in the sorted ``present`` (bounded by its length)."""
-    missing: list[int] = []
+def _missing_keys(present: np.ndarray, start: int, end: int) -> Iterator[int]:
+    """The keys of ``start .. end-1`` not in ``present``, lazily (the first few cost ``len(present)``)."""
     held = set(present.tolist())
-    key = start
-    while key < end and len(missing) < few:
-        if key not in held:
-            missing.append(key)
-        key += 1
-    return missing
+    return (key for key in range(start, end) if key not in held)
 
 
-def _warn_identity_records(problems: list[tuple[int, str]], counts: dict[str, int], missing: list[int]) -> None:
-    """One warning for all the identity records that are missing or unusable, with the first three."""
+#: How many problems a warning that counts them shows.
+_EXAMPLES = 3
+
+
+def _warn_identity_records(problems: list[tuple[int, str]], counts: dict[str, int], missing: Iterator[int]) -> None:
+    """One warning for all the identity records that are missing or unusable, with the first few."""
     bad = counts["missing"] + counts["unusable"]
     if not bad:
         return
-    examples = sorted(problems + [(key, "missing from the index") for key in missing])[:3]
+    missing_few = [(key, "missing from the index") for key in itertools.islice(missing, _EXAMPLES)]
+    examples = sorted(problems + missing_few)[:_EXAMPLES]
     log.warning(
         "%d of %d identity records of the header are missing (%d) or unusable (%d), e.g. %s: their images"
         " are checked against their own labels only",
