@@ -346,7 +346,7 @@ def test_the_scan_finds_a_record_a_whole_read_block_past_an_unframed_one(tmp_pat
     the last word of the first block, and one far into a later block, are both found."""
     path = tmp_path / "r.rec"
     junk = b"JUNK" * ((1 << 20) // 4)  # the scan resumes at offset 4: the block ends at 4 + 2^20
-    second_junk = b"JUNK" * 200_000
+    second_junk = b"JUNK" * 250_000  # the late record 95 % into its block
     path.write_bytes(junk + frame(b"found") + second_junk + frame(b"late"))
     gaps: list[tuple[int, int]] = []
     first = 1 << 20

@@ -171,6 +171,9 @@ def test_read_index_skips_blank_lines_and_counts_them_in_line_numbers(tmp_path):
     path.write_text("0\t0\n\n1\t16\n2 x\n")
     with pytest.raises(RecordIOError, match=r"^.*r\.idx line 4 is not 'key<TAB>offset' \(two whole numbers below 2\^63\): '2 x'$"):
         read_index(path)
+    path.write_text("0\t" + "9" * 70 + "\n")  # the line is shown up to 60 characters
+    with pytest.raises(RecordIOError, match=rf"^.*r\.idx line 1 is not 'key<TAB>offset' \(two whole numbers below 2\^63\): '0\\t{'9' * 58}'$"):
+        read_index(path)
     path.write_text(f"0\t{2**63 - 1}\n")
     assert read_index(path).tolist() == [[0, 2**63 - 1]]
     path.write_text(f"0\t{2**63}\n")
@@ -189,3 +192,8 @@ def test_property_txt_past_its_bounds_is_refused(tmp_path, text):
     (tmp_path / "property.txt").write_text(text)
     with pytest.raises(RecordIOError, match=rf"^.*property\.txt is not 'num_classes,height,width' \(three whole numbers in 1\.\.2\^31-1\): '{text}'$"):
         read_property(tmp_path / "property.txt")
+
+
+def test_irheader_ids_round_trip_with_either_label_kind():
+    assert unpack(pack(IRHeader(0, 7.0, 12, 5), b"x")) == (IRHeader(0, 7.0, 12, 5), b"x")
+    assert unpack(pack(IRHeader(2, (1.0, 2.0), 2**64 - 1, 3), b"")) == (IRHeader(2, (1.0, 2.0), 2**64 - 1, 3), b"")
