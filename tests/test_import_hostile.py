@@ -460,3 +460,34 @@ def test_a_header_without_identity_records_and_one_without_images(tmp_path, caps
     assert main(["import", str(folder), str(tmp_path / "none"), "--workers", "1"]) == 2
     rec = folder / "train.rec"
     assert capsys.readouterr().err == f"facepipe import: error: nothing imported from {rec}: all 9 records were rejected (bad_record 9)\n"
+
+
+def test_a_key_at_two_offsets_and_an_empty_index_are_one_line(tmp_path, capsys):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [0, 0, 1])
+    lines = (folder / "train.idx").read_text().splitlines()
+    (folder / "train.idx").write_text("\n".join([*lines, lines[2].split()[0] + "\t0", lines[2]]) + "\n")  # key 2 at 0
+    assert main(["import", str(folder), str(tmp_path / "out"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err == f"facepipe import: error: key 2 appears twice in {folder / 'train.idx'} with different offsets\n"
+    (folder / "train.idx").write_text("\n".join([*lines, lines[2]]) + "\n")  # the same line twice: one record
+    report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 3, "accepted": 3, "rejected": 0}
+    (folder / "train.idx").write_text("\n")
+    assert main(["import", str(folder), str(tmp_path / "none"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err == f"facepipe import: error: no records in {folder / 'train.idx'}\n"
+    (folder / "train.idx").unlink()
+    (folder / "train.rec").write_bytes(b"")
+    assert main(["import", str(folder), str(tmp_path / "none"), "--workers", "1"]) == 2
+    assert capsys.readouterr().err == f"facepipe import: error: no records in {folder / 'train.rec'}\n"
+
+
+def test_keys_of_a_pack_without_header_are_read_in_file_order(tmp_path):
+    folder = tmp_path / "pack"
+    folder.mkdir()
+    with RecordIOWriter(folder / "train.rec", folder / "train.idx") as writer:
+        for key, label in [(9, 0), (3, 1), (5, 0)]:
+            writer.write(key, pack(IRHeader(0, float(label), key), crop(key)))
+    report = import_rec.run(PrepareParams(samples_per_shard=1), folder, tmp_path / "out", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 3, "accepted": 3, "rejected": 0}
+    assert report["identity_records"] == {"read": 0, "missing": 0, "unusable": 0}
+    assert list(records(tmp_path / "out")) == ["0/train.rec#9", "1/train.rec#3", "0/train.rec#5"]  # one a shard
