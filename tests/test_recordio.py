@@ -197,3 +197,13 @@ def test_property_txt_past_its_bounds_is_refused(tmp_path, text):
 def test_irheader_ids_round_trip_with_either_label_kind():
     assert unpack(pack(IRHeader(0, 7.0, 12, 5), b"x")) == (IRHeader(0, 7.0, 12, 5), b"x")
     assert unpack(pack(IRHeader(2, (1.0, 2.0), 2**64 - 1, 3), b"")) == (IRHeader(2, (1.0, 2.0), 2**64 - 1, 3), b"")
+
+
+def test_an_index_line_that_is_not_ascii_is_named_not_a_traceback(tmp_path):
+    path = tmp_path / "r.idx"
+    path.write_bytes("0\t0\n1\t1é\n".encode())  # UTF-8 é: two bytes that are not ASCII, each shown as U+FFFD
+    with pytest.raises(RecordIOError, match=r"^.*r\.idx line 2 is not 'key<TAB>offset' \(two whole numbers below 2\^63\): '1\\t1\ufffd\ufffd'$"):
+        read_index(path)
+    path.write_bytes(b"0\t0\n1\t\xff\n")  # not UTF-8 either
+    with pytest.raises(RecordIOError, match=r"line 2 is not"):
+        read_index(path)
