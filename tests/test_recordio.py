@@ -207,3 +207,16 @@ def test_an_index_line_that_is_not_ascii_is_named_not_a_traceback(tmp_path):
     path.write_bytes(b"0\t0\n1\t\xff\n")  # not UTF-8 either
     with pytest.raises(RecordIOError, match=r"line 2 is not"):
         read_index(path)
+
+
+def test_property_txt_that_is_not_ascii_or_too_long_is_named(tmp_path):
+    path = tmp_path / "property.txt"
+    path.write_bytes("3,112,11é\n".encode())
+    with pytest.raises(RecordIOError, match=r"^.*property\.txt is not 'num_classes,height,width' \(three whole numbers in 1\.\.2\^31-1\): '3,112,11\ufffd\ufffd'$"):
+        read_property(path)
+    path.write_bytes(b"3,112,\xff\n")
+    with pytest.raises(RecordIOError, match=r"property\.txt is not"):
+        read_property(path)
+    path.write_text("3,112," + "1" * 70)  # shown up to 60 characters
+    with pytest.raises(RecordIOError, match=rf"^.*property\.txt is not .*: '3,112,{'1' * 54}'$"):
+        read_property(path)
