@@ -220,3 +220,17 @@ def test_property_txt_that_is_not_ascii_or_too_long_is_named(tmp_path):
     path.write_text("3,112," + "1" * 70)  # shown up to 60 characters
     with pytest.raises(RecordIOError, match=rf"^.*property\.txt is not .*: '3,112,{'1' * 54}'$"):
         read_property(path)
+
+
+def test_a_magic_word_in_the_last_aligned_position_is_split_off():
+    assert frame(b"AAAA" + M) == M + lrec(1, 4) + b"AAAA" + M + lrec(3, 0)
+    assert frame(M) == M + lrec(1, 0) + M + lrec(3, 0)
+
+
+def test_frame_refuses_a_record_of_2_to_the_29_bytes_by_its_length():
+    class Huge(bytes):  # len() of a 512 MiB record without its bytes: refused before any is looked at
+        def __len__(self) -> int:
+            return 1 << 29
+
+    with pytest.raises(ValueError, match=r"^a RecordIO record holds under 2\^29 bytes, got 536870912$"):
+        frame(Huge())
