@@ -491,3 +491,27 @@ def test_keys_of_a_pack_without_header_are_read_in_file_order(tmp_path):
     assert report["counts"] == {"scanned": 3, "accepted": 3, "rejected": 0}
     assert report["identity_records"] == {"read": 0, "missing": 0, "unusable": 0}
     assert list(records(tmp_path / "out")) == ["0/train.rec#9", "1/train.rec#3", "0/train.rec#5"]  # one a shard
+
+
+def test_a_range_whose_first_image_is_missing_takes_its_label_from_the_next(tmp_path):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [4, 4, 4, 6])  # identity records 5 [1, 4), 6 [4, 5)
+    lines = (folder / "train.idx").read_text().splitlines()
+    (folder / "train.idx").write_text("\n".join(line for line in lines if not line.startswith("1\t")) + "\n")
+    _rewrite(folder, 3, 32, struct.pack("<f", 6.0))  # key 3 says 6 in the range of label 4 (from key 2)
+    report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert rejects(tmp_path / "out") == {"train.rec#1": "missing_record", "6/train.rec#3": "label_mismatch"}
+    assert report["identity_records"] == {"read": 2, "missing": 0, "unusable": 0}
+
+
+def test_an_identity_record_with_more_than_two_labels_uses_the_first_two(tmp_path):
+    folder = tmp_path / "pack"
+    folder.mkdir()
+    with RecordIOWriter(folder / "train.rec", folder / "train.idx") as writer:
+        writer.write(0, pack(IRHeader(2, (3.0, 4.0)), b""))
+        writer.write(1, pack(IRHeader(0, 8.0, 1), crop(1)))
+        writer.write(2, pack(IRHeader(0, 9.0, 2), crop(2)))
+        writer.write(3, pack(IRHeader(3, (1.0, 3.0, 7.0)), b""))
+    report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
+    assert report["identity_records"] == {"read": 1, "missing": 0, "unusable": 0}
+    assert rejects(tmp_path / "out") == {"9/train.rec#2": "label_mismatch"}
