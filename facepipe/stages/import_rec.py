@@ -259,9 +259,9 @@ def _identity_range(handle: IO[bytes], offset: int, *, images_end: int) -> tuple
 def _range_label(handle: IO[bytes], offsets: np.ndarray) -> int | None:
     """The label of the first image at ``offsets`` (-1: not in the .idx) that reads with a valid
     label: the one label of an identity range. None when no image of the range has one."""
-    for offset in offsets.tolist():
+    for offset in offsets[offsets != -1].tolist():
         try:
-            label = whole_label(unpack(read_record(handle, offset))[0].first_label) if offset >= 0 else None
+            label = whole_label(unpack(read_record(handle, offset))[0].first_label)
         except RecordIOError:
             continue
         if label is not None:
