@@ -515,3 +515,22 @@ def test_an_identity_record_with_more_than_two_labels_uses_the_first_two(tmp_pat
     report = import_rec.run(PrepareParams(), folder, tmp_path / "out", workers=1, progress=False)
     assert report["identity_records"] == {"read": 1, "missing": 0, "unusable": 0}
     assert rejects(tmp_path / "out") == {"9/train.rec#2": "label_mismatch"}
+
+
+def test_a_header_with_one_label_is_one_line_and_one_with_three_uses_the_first_two(tmp_path, capsys):
+    folder = tmp_path / "pack"
+    insightface_pack(folder, [0, 0, 1])
+    _rewrite(folder, 0, 8, struct.pack("<I", 1))  # flag 1: the label array is [4.0]
+    assert main(["import", str(folder), str(tmp_path / "out"), "--workers", "1"]) == 2
+    message = "header record 0 has flag 1 but not the two labels [images end, identities end]"
+    assert capsys.readouterr().err == f"facepipe import: error: {message}\n"
+    three = tmp_path / "three"
+    three.mkdir()
+    with RecordIOWriter(three / "train.rec", three / "train.idx") as writer:
+        writer.write(0, pack(IRHeader(3, (3.0, 4.0, 99.0)), b""))
+        for key in (1, 2):
+            writer.write(key, pack(IRHeader(0, 5.0, key), crop(key)))
+        writer.write(3, pack(IRHeader(2, (1.0, 3.0)), b""))
+    report = import_rec.run(PrepareParams(), three, tmp_path / "out", workers=1, progress=False)
+    assert report["counts"] == {"scanned": 2, "accepted": 2, "rejected": 0}
+    assert report["identity_records"] == {"read": 1, "missing": 0, "unusable": 0}
