@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 
 from facepipe.io.recordio import (
@@ -14,6 +15,7 @@ from facepipe.io.recordio import (
     frame,
     pack,
     read_index,
+    read_property,
     read_record,
     scan_offsets,
     unpack,
@@ -122,3 +124,113 @@ def test_index_lines_must_be_key_and_offset(tmp_path):
     idx.write_text("0\t0\n1\tforty\n")
     with pytest.raises(RecordIOError, match="line 2 is not 'key<TAB>offset'"):
         read_index(idx)
+
+
+def test_a_part_longer_than_the_file_is_truncated_before_it_is_read(tmp_path):
+    path = tmp_path / "r.rec"
+    path.write_bytes(M + lrec(0, (1 << 29) - 1) + b"abcd")  # a 512 MiB part in a 12-byte file
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^file ends 536870907 bytes short of the part at offset 0$") as error:
+        read_record(handle, 0)
+    assert error.value.truncated
+    path.write_bytes(b"pad." + frame(b"abcde")[:-3])  # the last part without its padding: exactly enough
+    with open(path, "rb") as handle:
+        assert read_record(handle, 4) == b"abcde"
+    path.write_bytes(b"pad." + frame(b"abcde")[:-4])
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^file ends 1 bytes short of the part at offset 4$"):
+        read_record(handle, 4)
+
+
+def test_frame_refusals_and_header_end_are_named_whole(tmp_path):
+    path = tmp_path / "r.rec"
+    path.write_bytes(frame(b"abcd") + M + b"\0\0")
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^file ends inside the frame header at offset 12$") as error:
+        read_record(handle, 12)
+    assert error.value.truncated
+    path.write_bytes(frame(b"abcd") + b"JUNKJUNK")
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^bad magic 0x4b4e554a at offset 12$") as error:
+        read_record(handle, 12)
+    assert not error.value.truncated
+    path.write_bytes(frame(b"abcd") + M + lrec(3, 0))
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^continuation flag 3 out of sequence at offset 12$"):
+        read_record(handle, 12)
+    path.write_bytes(M + lrec(1, 0) + M + lrec(1, 0))
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^continuation flag 1 out of sequence at offset 8$"):
+        read_record(handle, 0)
+    path.write_bytes(M + lrec(4, 0))
+    with open(path, "rb") as handle, pytest.raises(RecordIOError, match=r"^continuation flag 4 out of sequence at offset 0$"):
+        read_record(handle, 0)
+
+
+def test_read_index_skips_blank_lines_and_counts_them_in_line_numbers(tmp_path):
+    path = tmp_path / "r.idx"
+    path.write_text("0\t0\n\n  \n1\t16\n")
+    assert read_index(path).tolist() == [[0, 0], [1, 16]]
+    assert read_index(path).dtype == np.int64
+    path.write_text("")
+    assert read_index(path).shape == (0, 2) and read_index(path).dtype == np.int64
+    path.write_text("0\t0\n\n1\t16\n2 x\n")
+    with pytest.raises(RecordIOError, match=r"^.*r\.idx line 4 is not 'key<TAB>offset' \(two whole numbers below 2\^63\): '2 x'$"):
+        read_index(path)
+    path.write_text("0\t" + "9" * 70 + "\n")  # the line is shown up to 60 characters
+    with pytest.raises(RecordIOError, match=rf"^.*r\.idx line 1 is not 'key<TAB>offset' \(two whole numbers below 2\^63\): '0\\t{'9' * 58}'$"):
+        read_index(path)
+    path.write_text(f"0\t{2**63 - 1}\n")
+    assert read_index(path).tolist() == [[0, 2**63 - 1]]
+    path.write_text(f"0\t{2**63}\n")
+    with pytest.raises(RecordIOError, match="line 1 is not"):
+        read_index(path)
+
+
+@pytest.mark.parametrize("text, values", [("1,1,1", (1, 1, 1)), ("2147483647,112,96", (2147483647, 112, 96))])
+def test_property_txt_bounds_are_inclusive(tmp_path, text, values):
+    (tmp_path / "property.txt").write_text(text)
+    assert read_property(tmp_path / "property.txt") == values
+
+
+@pytest.mark.parametrize("text", ["2147483648,112,112", "3,-112,112", "3,112,0"])
+def test_property_txt_past_its_bounds_is_refused(tmp_path, text):
+    (tmp_path / "property.txt").write_text(text)
+    with pytest.raises(RecordIOError, match=rf"^.*property\.txt is not 'num_classes,height,width' \(three whole numbers in 1\.\.2\^31-1\): '{text}'$"):
+        read_property(tmp_path / "property.txt")
+
+
+def test_irheader_ids_round_trip_with_either_label_kind():
+    assert unpack(pack(IRHeader(0, 7.0, 12, 5), b"x")) == (IRHeader(0, 7.0, 12, 5), b"x")
+    assert unpack(pack(IRHeader(2, (1.0, 2.0), 2**64 - 1, 3), b"")) == (IRHeader(2, (1.0, 2.0), 2**64 - 1, 3), b"")
+
+
+def test_an_index_line_that_is_not_ascii_is_named_not_a_traceback(tmp_path):
+    path = tmp_path / "r.idx"
+    path.write_bytes("0\t0\n1\t1é\n".encode())  # UTF-8 é: two bytes that are not ASCII, each shown as U+FFFD
+    with pytest.raises(RecordIOError, match=r"^.*r\.idx line 2 is not 'key<TAB>offset' \(two whole numbers below 2\^63\): '1\\t1\ufffd\ufffd'$"):
+        read_index(path)
+    path.write_bytes(b"0\t0\n1\t\xff\n")  # not UTF-8 either
+    with pytest.raises(RecordIOError, match=r"line 2 is not"):
+        read_index(path)
+
+
+def test_property_txt_that_is_not_ascii_or_too_long_is_named(tmp_path):
+    path = tmp_path / "property.txt"
+    path.write_bytes("3,112,11é\n".encode())
+    with pytest.raises(RecordIOError, match=r"^.*property\.txt is not 'num_classes,height,width' \(three whole numbers in 1\.\.2\^31-1\): '3,112,11\ufffd\ufffd'$"):
+        read_property(path)
+    path.write_bytes(b"3,112,\xff\n")
+    with pytest.raises(RecordIOError, match=r"property\.txt is not"):
+        read_property(path)
+    path.write_text("3,112," + "1" * 70)  # shown up to 60 characters
+    with pytest.raises(RecordIOError, match=rf"^.*property\.txt is not .*: '3,112,{'1' * 54}'$"):
+        read_property(path)
+
+
+def test_a_magic_word_in_the_last_aligned_position_is_split_off():
+    assert frame(b"AAAA" + M) == M + lrec(1, 4) + b"AAAA" + M + lrec(3, 0)
+    assert frame(M) == M + lrec(1, 0) + M + lrec(3, 0)
+
+
+def test_frame_refuses_a_record_of_2_to_the_29_bytes_by_its_length():
+    class Huge(bytes):  # len() of a 512 MiB record without its bytes: refused before any is looked at
+        def __len__(self) -> int:
+            return 1 << 29
+
+    with pytest.raises(ValueError, match=r"^a RecordIO record holds under 2\^29 bytes, got 536870912$"):
+        frame(Huge())

@@ -17,6 +17,10 @@ With ``flag > 0`` the label is the float32 array after the header (and the f32 f
 Packs built by insightface's tools start with a header record (key 0, flag > 0): its label
 ``[a, b]`` says images have keys ``1 .. a-1`` and identity records keys ``a .. b-1``, each with the
 label ``[first, end)``: the key range of that identity's images.
+
+Every number read here is bounded by what the file can hold before anything is allocated: a part's
+length by the bytes left in the file, an index's keys and offsets by int64, property.txt's values by
+int32. Labels and keys travel as float32: integers from :data:`FLOAT32_EXACT` on are rounded.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ _FRAME = struct.Struct("<II")
 _LENGTH_MASK = (1 << 29) - 1
 _IR = struct.Struct("<IfQQ")  # MXNet's _IR_FORMAT "IfQQ": 24 bytes, no padding with native alignment either
 WHOLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
+#: float32 holds every integer below this exactly (2^24); a label from here on may be a rounded one.
+FLOAT32_EXACT = 1 << 24
+_INT64_END = 1 << 63
+_INT32_END = 1 << 31
 
 
 class RecordIOError(ValueError):
@@ -107,6 +115,7 @@ def frame(data: bytes) -> bytes:
 def read_record(handle: IO[bytes], offset: int) -> bytes:
     """The record starting at byte ``offset`` of a .rec file, its parts joined. Raises RecordIOError
     (``truncated`` set when the file ends inside the record)."""
+    size = os.fstat(handle.fileno()).st_size
     handle.seek(offset)
     out = bytearray()
     expect_first = True
@@ -120,9 +129,10 @@ def read_record(handle: IO[bytes], offset: int) -> bytes:
         flag, length = lrec >> 29, lrec & _LENGTH_MASK
         if flag > LAST or (flag in (WHOLE, FIRST)) != expect_first:
             raise RecordIOError(f"continuation flag {flag} out of sequence at offset {handle.tell() - _FRAME.size}")
+        short = length - (size - handle.tell())
+        if short > 0:  # checked before reading: a forged length would otherwise be allocated first
+            raise RecordIOError(f"file ends {short} bytes short of the part at offset {offset}", truncated=True)
         data = handle.read(length + (-length % 4))
-        if len(data) < length:
-            raise RecordIOError(f"file ends {length - len(data)} bytes short of the part at offset {offset}", truncated=True)
         out += data[:length]
         if flag in (WHOLE, LAST):
             return bytes(out)
@@ -138,10 +148,10 @@ def read_index(path: str | os.PathLike[str]) -> np.ndarray:
         while lines := handle.readlines(_INDEX_BLOCK_BYTES):
             try:
                 block = np.array([line.split() for line in lines if line.strip()], dtype=np.int64).reshape(-1, 2)
-                if (block < 0).any():
+                if (block < 0).any() or len(block) != sum(1 for line in lines if line.strip()):
                     raise ValueError
-            except ValueError:
-                _raise_bad_line(path, lines, line_number)
+            except (ValueError, OverflowError):
+                raise _bad_line(path, lines, line_number) from None
             blocks.append(block)
             line_number += len(lines)
     return np.concatenate(blocks) if blocks else np.zeros((0, 2), dtype=np.int64)
@@ -150,18 +160,25 @@ def read_index(path: str | os.PathLike[str]) -> np.ndarray:
 _INDEX_BLOCK_BYTES = 8 << 20
 
 
-def _raise_bad_line(path: str | os.PathLike[str], lines: list[str], first_number: int) -> None:
-    """Raise RecordIOError naming the first line of ``lines`` that is not ``key<TAB>offset``."""
-    for number, line in enumerate(lines, start=first_number):
-        fields = line.split()
-        if fields and not (len(fields) == 2 and all(field.isdigit() for field in fields)):
-            raise RecordIOError(f"{path} line {number} is not 'key<TAB>offset': {line.strip()[:60]!r}")
-    raise RecordIOError(f"{path} lines {first_number}-{first_number + len(lines) - 1} do not parse")
+def _bad_line(path: str | os.PathLike[str], lines: list[str], first_number: int) -> RecordIOError:
+    """The error naming the first line of ``lines`` (the block that failed to parse) that is neither
+    blank nor ``key<TAB>offset``: two whole numbers below 2^63, the only lines int64 parses."""
+    number, line = next((n, line) for n, line in enumerate(lines, start=first_number) if not _index_line(line))
+    return RecordIOError(f"{path} line {number} is not 'key<TAB>offset' (two whole numbers below 2^63): {line.strip()[:60]!r}")
 
 
-def scan_offsets(path: str | os.PathLike[str]) -> Iterator[int]:
+def _index_line(line: str) -> bool:
+    fields = line.split()
+    return not fields or (len(fields) == 2 and all(field.isdigit() and int(field) < _INT64_END for field in fields))
+
+
+def scan_offsets(path: str | os.PathLike[str], *, gaps: list[tuple[int, int]] | None = None) -> Iterator[int]:
     """Offsets of the records of a .rec file read front to back (for a pack without its .idx).
-    Stops at the end of the file or at the first record that cannot be framed (which it yields)."""
+
+    A record that cannot be framed is yielded too (its reader rejects it); the scan then goes on at
+    the next 4-aligned magic word that starts a whole record or a first part, as dmlc's own reader
+    resynchronises (its writer never leaves an aligned magic word inside a part). Each stretch skipped
+    so is appended to ``gaps`` as ``(offset, bytes)``, from the unframed record to the next one."""
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         offset = 0
@@ -169,9 +186,28 @@ def scan_offsets(path: str | os.PathLike[str]) -> Iterator[int]:
             yield offset
             try:
                 read_record(handle, offset)
+                offset = handle.tell()
             except RecordIOError:
-                return
-            offset = handle.tell()
+                start, offset = offset, _next_record_start(handle, offset + 4, size)
+                if gaps is not None:
+                    gaps.append((start, offset - start))
+
+
+_SCAN_BLOCK_BYTES = 1 << 20
+
+
+def _next_record_start(handle: IO[bytes], offset: int, size: int) -> int:
+    """The first 4-aligned offset from ``offset`` (aligned) holding the magic word and an ``lrec`` of
+    a whole record or a first part; ``size`` when there is none."""
+    while offset < size:
+        handle.seek(offset)
+        block = handle.read(_SCAN_BLOCK_BYTES + 4)  # 4 more: the lrec after a magic word at the end
+        words = np.frombuffer(block, dtype="<u4", count=len(block) // 4)
+        for at in np.flatnonzero(words[:-1] == MAGIC).tolist():
+            if words[at + 1] >> 29 in (WHOLE, FIRST):
+                return offset + 4 * at
+        offset += _SCAN_BLOCK_BYTES
+    return size
 
 
 class RecordIOWriter:
@@ -205,7 +241,9 @@ def read_property(path: Path) -> tuple[int, int, int] | None:
         return None
     text = path.read_text(encoding="ascii", errors="replace").strip()
     try:
-        num_classes, height, width = (int(v) for v in text.split(","))
+        num_classes, height, width = values = tuple(int(v) for v in text.split(","))
+        if not all(0 < value < _INT32_END for value in values):
+            raise ValueError
     except ValueError:
-        raise RecordIOError(f"{path} is not 'num_classes,height,width': {text[:60]!r}") from None
+        raise RecordIOError(f"{path} is not 'num_classes,height,width' (three whole numbers in 1..2^31-1): {text[:60]!r}") from None
     return num_classes, height, width

@@ -22,7 +22,7 @@ import numpy as np
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import check_shard_set, dumps
-from facepipe.io.recordio import IRHeader, RecordIOWriter, pack
+from facepipe.io.recordio import FLOAT32_EXACT, IRHeader, RecordIOWriter, pack
 from facepipe.io.shards import ShardSet, sha256_file
 from facepipe.progress import Progress
 
@@ -35,9 +35,6 @@ REC_PACK = OutputKind(
     identify=json_key_file("export.json", "version", format=EXPORT_FORMAT),
 )
 
-#: Keys and labels travel as float32 in the header records: integers above 2^24 would be rounded.
-_FLOAT32_EXACT = 1 << 24
-
 
 def run(prepared: str | Path, out: str | Path, *, progress: bool = True) -> dict[str, Any]:
     """Write the shard set ``prepared`` as a pack in ``out``; returns what export.json says."""
@@ -47,7 +44,7 @@ def run(prepared: str | Path, out: str | Path, *, progress: bool = True) -> dict
     labels = shard_set.labels()
     order = np.argsort(labels, kind="stable")
     n, k = len(order), shard_set.num_identities
-    if n + 1 + k > _FLOAT32_EXACT:
+    if n + 1 + k > FLOAT32_EXACT:
         raise FacepipeError(f"{n} images and {k} identities exceed the 2^24 keys a RecordIO header's float32 labels hold")
     size = int(shard_set.manifest["image"]["size"])
     with atomic_output_dir(out, kind=REC_PACK) as tmp:

@@ -7,11 +7,18 @@ manifest is deterministic. A record's source path is ``<identity>/<rec name>#<ke
 folder first, as every facepipe path), or ``<rec name>#<key>`` when its label cannot be read.
 
 Identities are the pack's integer labels (insightface readers take the float label, or the first
-value of an array label); an identity's name in labels.json is that integer (or the name that
-``facepipe export-rec`` recorded in the pack's export.json), and labels are given
-in order of first appearance, so a pack whose images are grouped by label in ascending order (as
-insightface's tools write them, and as ``facepipe export-rec`` does) keeps its label numbers. With a
-header record, each image's label is checked against the identity range that holds its key.
+value of an array label: a whole number below 2^24, which float32 holds exactly); an identity's name
+in labels.json is that integer (or the name that ``facepipe export-rec`` recorded in the pack's
+export.json), and labels are given in order of first appearance, so a pack whose images are grouped
+by label in ascending order (as ``facepipe export-rec`` writes them) keeps its label numbers. Labels
+need not be dense or start at 0 (arcface_torch reads any). With a header record, each identity
+record's range holds one label, that of its first readable image (insightface's packers write one
+identity record per run of equal labels, in the order the labels change, not by value), and each
+image's label is checked against it. Identity records that are missing or unusable are counted (one
+warning): their images keep their own labels.
+
+Every number of the pack is bounded by what the pack can hold before anything is allocated (the
+header's ranges by the index's keys); a pack with nothing importable is refused, nothing written.
 
 Images are checked as prepare checks photos (decodable, not truncated, pixel limit) and must be
 aligned crops: an ``image_size`` square JPEG (PNG for ``encoding: png``) is stored byte for byte;
@@ -23,6 +30,7 @@ gives the same RGB, so colours carry over unchanged.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -45,7 +53,7 @@ from facepipe.errors import FacepipeError
 from facepipe.io.atomic import atomic_output_dir, check_output
 from facepipe.io.manifest import dumps
 from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
-from facepipe.io.recordio import RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
+from facepipe.io.recordio import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
 from facepipe.parallel import FutureLike, dask_client, default_workers, ordered_results
 from facepipe.progress import Progress
 from facepipe.quality import REPORT_FILE, write_report
@@ -125,14 +133,16 @@ IN_PROCESS_BELOW = 20_000
 class Layout:
     """What a pack holds, as arrays (16-24 bytes an image, whatever the pack's size): ``keys`` [N]
     int64 image keys in reading order, ``offsets`` [N] int64 (-1: the .idx lacks the key),
-    ``expected`` [N] int64 identity the header's ranges give (-1: none); whether the pack has a
-    header record; and ``stray`` [S] int64 keys that are neither header, image nor identity records."""
+    ``expected`` [N] int64 label the header's identity ranges give (-1: none); whether the pack has a
+    header record; ``stray`` [S] int64 keys that are neither header, image nor identity records; and
+    how many identity records the header promised were ``read``, ``missing`` or ``unusable``."""
 
     keys: np.ndarray
     offsets: np.ndarray
     expected: np.ndarray
     header: bool
     stray: np.ndarray
+    identity_records: dict[str, int]
 
     def chunks(self, size: int) -> Iterator[list[ImageRef]]:
         """The images in reading order, ``size`` at a time (made as they are asked for)."""
@@ -145,13 +155,9 @@ class Layout:
 def read_layout(pack: RecPack, handle: IO[bytes]) -> Layout:
     """The pack's layout from its .idx and header record (arcface_torch's ``MXFaceDataset`` rules:
     record 0 with flag > 0 is a header, else every key is an image). Raises FacepipeError."""
-    try:
-        entries = read_index(pack.idx) if pack.idx else np.array(list(enumerate(scan_offsets(pack.rec))), dtype=np.int64)
-    except RecordIOError as error:
-        raise FacepipeError(str(error)) from None
-    if not len(entries):
+    keys, offsets = _entries(pack)
+    if not len(keys):
         raise FacepipeError(f"no records in {pack.idx or pack.rec}")
-    keys, offsets = entries[:, 0], entries[:, 1]
     unique, first_at = np.unique(keys, return_index=True)
     order = np.lexsort((offsets, keys))
     clash = (keys[order][1:] == keys[order][:-1]) & (offsets[order][1:] != offsets[order][:-1])
@@ -166,22 +172,53 @@ def read_layout(pack: RecPack, handle: IO[bytes]) -> Layout:
     if first is None:
         in_file_order = np.sort(first_at)
         none = np.full(len(in_file_order), -1, dtype=np.int64)
-        return Layout(keys[in_file_order], offsets[in_file_order], none, False, np.zeros(0, dtype=np.int64))
+        counts = {"read": 0, "missing": 0, "unusable": 0}
+        return Layout(keys[in_file_order], offsets[in_file_order], none, False, np.zeros(0, dtype=np.int64), counts)
     images_end, identities_end = first
     image_keys = np.arange(1, images_end, dtype=np.int64)
+    image_offsets = offset_of(image_keys)
     expected = np.full(len(image_keys), -1, dtype=np.int64)
-    identity_keys = np.arange(images_end, identities_end, dtype=np.int64)
-    for key, offset in zip(identity_keys.tolist(), offset_of(identity_keys).tolist()):
-        key_range = _identity_range(handle, offset if offset >= 0 else None, key=key)
-        if key_range is not None:
-            expected[max(key_range[0], 1) - 1 : max(min(key_range[1], images_end), 1) - 1] = key - images_end
+    present = unique[(unique >= images_end) & (unique < identities_end)]
+    problems: list[tuple[int, str]] = []
+    for key, offset in zip(present.tolist(), offset_of(present).tolist()):
+        try:
+            start, end = _identity_range(handle, offset, images_end=images_end)
+        except RecordIOError as error:
+            problems.append((key, str(error)))
+            continue
+        label = _range_label(handle, image_offsets[start - 1 : end - 1])
+        if label is not None:  # else every image of the range is rejected before its label is compared
+            expected[start - 1 : end - 1] = label
+    missing = identities_end - images_end - len(present)
+    counts = {"read": len(present) - len(problems), "missing": missing, "unusable": len(problems)}
+    _warn_identity_records(problems, counts, _missing_keys(present, images_end, identities_end))
     stray = unique[unique >= identities_end]
-    return Layout(image_keys, offset_of(image_keys), expected, True, stray)
+    return Layout(image_keys, image_offsets, expected, True, stray, counts)
+
+
+def _entries(pack: RecPack) -> tuple[np.ndarray, np.ndarray]:
+    """([N] int64 keys, [N] int64 offsets) of the pack's records: its .idx, or a scan of the .rec
+    (keys are then positions; stretches that could not be framed are counted in one warning)."""
+    gaps: list[tuple[int, int]] = []
+    try:
+        if pack.idx:
+            entries = read_index(pack.idx)
+            return entries[:, 0], entries[:, 1]
+        offsets = np.fromiter(scan_offsets(pack.rec, gaps=gaps), dtype=np.int64)
+    except RecordIOError as error:
+        raise FacepipeError(str(error)) from None
+    if gaps:
+        log.warning(
+            "%s has no index: %d bytes in %d place(s) could not be framed and were skipped to the next record (first at offset %d)",
+            pack.rec.name, sum(length for _, length in gaps), len(gaps), gaps[0][0],
+        )
+    return np.arange(len(offsets), dtype=np.int64), offsets
 
 
 def _header_record(handle: IO[bytes], offset: int, *, keys: int) -> tuple[int, int] | None:
     """``(first identity key, end of identity keys)`` of the header record 0 (at ``offset``, -1: no
-    key 0), or None without one. ``keys``: how many keys the index holds."""
+    key 0), or None without one. ``keys``: how many keys the index holds; neither range may promise
+    more than twice that (a few missing keys are rejects; more is a wrong header)."""
     if offset < 0:
         return None
     try:
@@ -192,25 +229,73 @@ def _header_record(handle: IO[bytes], offset: int, *, keys: int) -> tuple[int, i
         return None
     if not isinstance(header.label, tuple) or len(header.label) < 2:
         raise FacepipeError(f"header record 0 has flag {header.flag} but not the two labels [images end, identities end]")
-    images_end, identities_end = (int(v) for v in header.label[:2])
-    if not 1 <= images_end <= identities_end:
-        raise FacepipeError(f"header record 0 gives impossible ranges {header.label[:2]}")
-    if images_end - 1 > 2 * keys:  # a few missing keys are rejects; this many is a wrong header
+    images_end, identities_end = header.label[:2]
+    if not (_whole(images_end) and _whole(identities_end) and 1 <= images_end <= identities_end < 2**63):
+        raise FacepipeError(f"header record 0 gives impossible ranges [{images_end!r}, {identities_end!r}]")
+    images_end, identities_end = int(images_end), int(identities_end)
+    if images_end - 1 > 2 * keys:
         raise FacepipeError(f"header record 0 promises {images_end - 1} images, the index holds {keys} keys")
+    if identities_end - images_end > 2 * keys:
+        raise FacepipeError(f"header record 0 promises {identities_end - images_end} identity records, the index holds {keys} keys")
     return images_end, identities_end
 
 
-def _identity_range(handle: IO[bytes], offset: int | None, *, key: int) -> tuple[int, int] | None:
-    """``[first, end)`` image keys of one identity record (None, with a warning, when it is unreadable:
-    its images then keep just their own labels)."""
-    try:
-        if offset is None:
-            raise RecordIOError("missing from the .idx")
-        header, _ = unpack(read_record(handle, offset))
-        return int(header.label[0]), int(header.label[1])  # type: ignore[index]
-    except (RecordIOError, TypeError, IndexError, ValueError) as error:
-        log.warning("identity record %d unreadable (%s): its images are checked against their own labels only", key, error)
-        return None
+def _whole(value: float) -> bool:
+    return math.isfinite(value) and value == int(value)
+
+
+def _identity_range(handle: IO[bytes], offset: int, *, images_end: int) -> tuple[int, int]:
+    """``[first, end)`` image keys of one identity record, within ``1 .. images_end``. Raises
+    RecordIOError saying why the record is unusable."""
+    header, _ = unpack(read_record(handle, offset))
+    if not isinstance(header.label, tuple) or len(header.label) < 2:
+        raise RecordIOError(f"label {header.label!r} is not a range [first, end)")
+    first, end = header.label[:2]
+    if not (_whole(first) and _whole(end) and 1 <= first < end <= images_end):
+        raise RecordIOError(f"range [{first!r}, {end!r}] is not within the image keys 1..{images_end - 1}")
+    return int(first), int(end)
+
+
+def _range_label(handle: IO[bytes], offsets: np.ndarray) -> int | None:
+    """The label of the first image at ``offsets`` (-1: not in the .idx) that reads with a valid
+    label: the one label of an identity range. None when no image of the range has one."""
+    for offset in offsets[offsets != -1].tolist():
+        try:
+            label = whole_label(unpack(read_record(handle, offset))[0].first_label)
+        except RecordIOError:
+            continue
+        if label is not None:
+            return label
+    return None
+
+
+def whole_label(value: float) -> int | None:
+    """``value`` as a label: a whole number in ``[0, 2^24)``, which float32 holds exactly; else None."""
+    return int(value) if math.isfinite(value) and 0 <= value < FLOAT32_EXACT and value == int(value) else None
+
+
+def _missing_keys(present: np.ndarray, start: int, end: int) -> Iterator[int]:
+    """The keys of ``start .. end-1`` not in ``present``, lazily (the first few cost ``len(present)``)."""
+    held = set(present.tolist())
+    return (key for key in range(start, end) if key not in held)
+
+
+#: How many problems a warning that counts them shows.
+_EXAMPLES = 3
+
+
+def _warn_identity_records(problems: list[tuple[int, str]], counts: dict[str, int], missing: Iterator[int]) -> None:
+    """One warning for all the identity records that are missing or unusable, with the first few."""
+    bad = counts["missing"] + counts["unusable"]
+    if not bad:
+        return
+    missing_few = [(key, "missing from the index") for key in itertools.islice(missing, _EXAMPLES)]
+    examples = sorted(problems + missing_few)[:_EXAMPLES]
+    log.warning(
+        "%d of %d identity records of the header are missing (%d) or unusable (%d), e.g. %s: their images"
+        " are checked against their own labels only",
+        bad, bad + counts["read"], counts["missing"], counts["unusable"], "; ".join(f"key {key}: {why}" for key, why in examples),
+    )
 
 
 def import_chunk(pack: RecPack, chunk: list[ImageRef], params: PrepareParams) -> list[Outcome]:
@@ -235,14 +320,14 @@ def _image_outcome(
         header, payload = unpack(read_record(handle, offset))
     except RecordIOError as error:
         return Outcome(where, None, reason="truncated_record" if error.truncated else "bad_record", detail=str(error))
-    value = header.first_label
-    if not (math.isfinite(value) and value >= 0 and value == int(value)):
-        return Outcome(where, None, reason="bad_label", detail=f"label {value!r} is not a non-negative integer")
-    label = int(value)
+    label = whole_label(header.first_label)
+    if label is None:
+        return Outcome(where, None, reason="bad_label", detail=f"label {header.first_label!r} is not a whole number in [0, 2^24)")
     path = f"{pack.identity(label)}/{where}"
     sha = hashlib.sha256(payload).hexdigest()
     if expected is not None and expected != label:
-        return Outcome(path, sha, reason="label_mismatch", detail=f"label {label}, but the header puts key {key} in identity {expected}")
+        detail = f"label {label}, but the header puts key {key} in the identity range of label {expected}"
+        return Outcome(path, sha, reason="label_mismatch", detail=detail)
     try:
         stored, image = aligned_payload(payload, params)
     except Reject as reject:
@@ -312,13 +397,21 @@ def run(
         except BaseException:
             builder.abort()
             raise
+        if not manifest["counts"]["accepted"]:
+            raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({_reasons(builder)})")
         manifest["source"] = _source_entry(pack, layout)
         (tmp / "manifest.json").write_text(dumps(manifest))
         write_report(tmp, tmp / REPORT_FILE)  # rejected records live inside the pack: paths only
         report = _report(manifest, builder, tmp, workers=n_workers, elapsed=time.perf_counter() - started)
+        report["identity_records"] = layout.identity_records
         (tmp / "report.json").write_text(dumps(report))
     warn_resized(builder, params.image_size)
     return report
+
+
+def _reasons(builder: SetBuilder) -> str:
+    """``reason n, ...``, most frequent first."""
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(builder.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _source_entry(pack: RecPack, layout: Layout) -> dict[str, Any]:
