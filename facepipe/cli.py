@@ -254,7 +254,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
-    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set holding the pair images")
+    parser.add_argument(
+        "prepared",
+        type=Path,
+        nargs="+",
+        metavar="PREPARED",
+        help="shard set holding the pair images, or one or more insightface validation sets (lfw.bin, cfp_fp.bin ...)",
+    )
     parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
     parser.add_argument(
         "--pairs",
@@ -269,7 +275,16 @@ def _evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from facepipe.stages import evaluate
 
-    report = evaluate.run(load_section(args.params, "evaluate"), args.model, args.prepared, args.out, pairs=args.pairs)
+    params = load_section(args.params, "evaluate")
+    bins = [path for path in args.prepared if path.suffix == ".bin"]
+    if bins:
+        if len(bins) != len(args.prepared) or args.pairs is not None:
+            raise FacepipeError("evaluate takes either one shard set (with --pairs) or .bin validation sets, not both")
+        print(evaluate.bin_sets_summary(evaluate.run_bin_sets(params, args.model, bins, args.out)))
+        return 0
+    if len(args.prepared) != 1:
+        raise FacepipeError(f"evaluate takes one shard set, got {len(args.prepared)}: {' '.join(map(str, args.prepared))}")
+    report = evaluate.run(params, args.model, args.prepared[0], args.out, pairs=args.pairs)
     print(evaluate.summary_line(report))
     return 0
 
