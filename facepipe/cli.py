@@ -289,6 +289,21 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ijb_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
+    parser.add_argument("root", type=Path, metavar="IJB", help="insightface's IJBB or IJBC folder (meta/, loose_crop/)")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    parser.add_argument("--target", choices=["ijbb", "ijbc"], default=None, help="which meta files (default: the ones present)")
+    add_params_argument(parser)
+
+
+def _ijb(args: argparse.Namespace) -> int:
+    from facepipe.stages import ijb
+
+    print(ijb.summary_line(ijb.run(load_section(args.params, "ijb"), args.model, args.root, args.out, target=args.target)))
+    return 0
+
+
 def _export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
     parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
@@ -352,6 +367,7 @@ COMMANDS: tuple[Command, ...] = (
         _train_arguments, _train,
     ),
     Command("evaluate", "verification accuracy, ROC and TAR@FAR of a trained backbone", _evaluate_arguments, _evaluate),
+    Command("ijb", "IJB-B/C 1:1 template verification (TAR@FAR 1e-6 ... 1e-1) from insightface's IJB folder", _ijb_arguments, _ijb),
     Command("export", "ONNX / TorchScript files of a trained backbone, checked against PyTorch", _export_arguments, _export),
     Command(
         "export-rec", "shard set -> insightface train.rec/train.idx/property.txt (arcface_torch's MXFaceDataset)",

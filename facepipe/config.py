@@ -137,6 +137,26 @@ class EvaluateParams(Section):
         return value
 
 
+class IjbParams(Section):
+    """``ijb``: IJB-B / IJB-C 1:1 template verification from insightface's IJB folder layout."""
+
+    batch_size: int = Field(64, ge=1)
+    flip: bool = Field(True, description="add the embedding of the mirrored face before normalizing")
+    detector_score: bool = Field(False, description="weight each face by its detector score (insightface's use_detector_score)")
+    workers: int | Literal["auto"] = Field("auto", description="threads decoding and aligning faces; auto: one per core")
+    far_targets: tuple[float, ...] = Field((1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1), description="false accept rates to report TAR at")
+    device: DeviceChoice = "auto"
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("at least 1 worker, or auto")
+        return value
+
+    _rates = field_validator("far_targets")(EvaluateParams._rates.__func__)  # type: ignore[attr-defined]
+
+
 class ExportParams(Section):
     """``export``: ONNX and TorchScript files, each checked against the PyTorch model."""
 
@@ -329,6 +349,7 @@ SECTIONS: dict[str, type[Section]] = {
     "split": SplitParams,
     "train": TrainParams,
     "evaluate": EvaluateParams,
+    "ijb": IjbParams,
     "export": ExportParams,
 }
 

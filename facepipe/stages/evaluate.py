@@ -186,10 +186,15 @@ def thresholds_dict(result: VerificationResult) -> dict[str, Any]:
 
 def roc_csv(result: VerificationResult) -> str:
     """``fpr,tpr,threshold`` rows, thinned to the corners of the curve; the first threshold is inf."""
+    return roc_csv_rows(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
+
+
+def roc_csv_rows(roc_fpr: np.ndarray, roc_tpr: np.ndarray, roc_thresholds: np.ndarray) -> str:
+    """:func:`roc_csv` of an exact ROC from :func:`~facepipe.evaluation.verification.roc_curve`."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["fpr", "tpr", "threshold"])
-    for fpr, tpr, threshold in zip(*thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)):
+    for fpr, tpr, threshold in zip(*thin_roc(roc_fpr, roc_tpr, roc_thresholds)):
         writer.writerow([f"{fpr:.6f}", f"{tpr:.6f}", "inf" if np.isinf(threshold) else f"{threshold:.6f}"])
     return buffer.getvalue()
 
