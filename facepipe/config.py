@@ -212,6 +212,14 @@ class AugmentParams(Section):
         return value
 
 
+class ValidationParams(Section):
+    """``train.validation``: insightface .bin sets checked while training (rank 0, the others wait)."""
+
+    sets: tuple[str, ...] = Field(min_length=1, description="paths of .bin validation sets (lfw.bin, cfp_fp.bin ...)")
+    every_steps: int = Field(ge=1, description="optimizer steps between validations (and one at the end)")
+    batch_size: int = Field(64, ge=1)
+
+
 class TrainParams(Section):
     """``train``: backbone + margin head on a prepared shard set, single process or torchrun DDP.
 
@@ -296,6 +304,8 @@ class TrainParams(Section):
         False, description="skip (log and count) records whose checksum fails instead of stopping the run"
     )
     augment: AugmentParams = AugmentParams()
+    validation: ValidationParams | None = Field(None, description="validation sets during training; null = none")
+    keep_best: bool = Field(False, description="also write the backbone of the best validation step to OUT/best/")
 
     @model_validator(mode="after")
     def _sampling_needs_the_sharded_head(self) -> TrainParams:
@@ -304,6 +314,8 @@ class TrainParams(Section):
             raise ValueError("batch_size auto needs head_parallel: dense (give the sharded head a batch size)")
         if self.sample_rate < 1 and self.head_parallel != "sharded":
             raise ValueError(f"sample_rate {self.sample_rate} < 1 needs head_parallel: sharded")
+        if self.keep_best and self.validation is None:
+            raise ValueError("keep_best needs train.validation (the best step is the best validation)")
         return self
 
     @field_validator("batch_size", "num_workers", "log_every", mode="before")

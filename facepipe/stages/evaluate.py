@@ -31,7 +31,7 @@ import numpy as np
 from facepipe.config import EvaluateParams
 from facepipe.devices import resolve_device
 from facepipe.errors import FacepipeError
-from facepipe.data.decode import Reject, load_image
+from facepipe.evaluation.bin_sets import decode_bin_faces
 from facepipe.evaluation.embed import embed_images
 from facepipe.evaluation.insightface_protocol import insightface_verification
 from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
@@ -61,8 +61,7 @@ BIN_SETS_OUTPUT = OutputKind(
     patterns=(METRICS_FILE, f"*/{ROC_FILE}", f"*/{ROC_PLOT}", f"*/{THRESHOLDS_FILE}"),
     identify=json_key_file(METRICS_FILE, "sets"),
 )
-#: Pixels a .bin face may have (they are 112x112; bigger ones are not faces of a validation set).
-_BIN_MAX_PIXELS = 1024 * 1024
+
 _SHOWN = 3  # example images named in an error
 
 
@@ -266,23 +265,6 @@ def _write_curves(folder: Path, result: VerificationResult, metrics: dict[str, A
     (folder / THRESHOLDS_FILE).write_text(dumps(thresholds_dict(result)))
     fpr, tpr, _ = thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
     roc_png(fpr, tpr, folder / ROC_PLOT, title=_roc_title(metrics))
-
-
-def decode_bin_faces(bin_set: BinSet, *, image_size: int) -> np.ndarray:
-    """[2P, S, S, 3] uint8 RGB faces of a .bin set, decoded as stored; each must be ``image_size`` square."""
-    faces = np.empty((len(bin_set.images), image_size, image_size, 3), np.uint8)
-    for index, data in enumerate(bin_set.images):
-        try:
-            face = load_image(data, max_pixels=_BIN_MAX_PIXELS)
-        except Reject as reject:
-            raise FacepipeError(f"{bin_set.name}.bin: image {index}: {reject.reason} ({reject.detail})") from None
-        if face.shape[:2] != (image_size, image_size):
-            raise FacepipeError(
-                f"{bin_set.name}.bin: image {index} is {face.shape[1]}x{face.shape[0]}, "
-                f"the model expects {image_size}x{image_size} aligned faces"
-            )
-        faces[index] = face
-    return faces
 
 
 def bin_set_metrics(
