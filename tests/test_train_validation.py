@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from train_helpers import synthetic_set, tiny_params
 
@@ -18,6 +19,7 @@ from facepipe.config import EvaluateParams, TrainParams
 from facepipe.io.shards import ShardSet
 from facepipe.stages import evaluate
 from facepipe.stages.train import run
+from facepipe.training.checkpoint import list_checkpoints, load_checkpoint
 
 pytestmark = pytest.mark.slow  # five short training runs: 4.5 min on 2 loaded cores
 
@@ -51,7 +53,8 @@ def shard_and_bin(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
 
 def _params(bin_path: Path, **overrides) -> TrainParams:
     return tiny_params(
-        epochs=2, checkpoint_every=4, validation={"sets": [str(bin_path)], "every_steps": 3}, keep_best=True, **overrides
+        **{"epochs": 2, "checkpoint_every": 4, "validation": {"sets": [str(bin_path)], "every_steps": 3}, "keep_best": True}
+        | overrides
     )
 
 
@@ -84,13 +87,18 @@ def test_validation_logs_at_its_steps_and_the_end_and_survives_a_resume(
 def test_keep_best_writes_the_backbone_of_the_best_step(shard_and_bin: tuple[Path, Path], tmp_path: Path) -> None:
     shard_set, bin_path = shard_and_bin
     out = tmp_path / "model"
-    run(_params(bin_path, lr=0.5), shard_set, out, max_steps=7)
-    run(_params(bin_path, lr=0.5), shard_set, out)
+    # a checkpoint at every validation step, to compare OUT/best with; a stop and resume in between
+    params = _params(bin_path, lr=0.5, checkpoint_every=3, keep_checkpoints=5)
+    run(params, shard_set, out, max_steps=6)
+    run(params, shard_set, out)
     means = _history(out, "val/mean_accuracy")
     best_step, best = max(means, key=lambda point: (point[1], -point[0]))  # the first of the best
+    assert best_step != means[-1][0], means  # else the last step's weights would pass for the best's
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["val"]["best_step"] == best_step
-    assert len({round(v, 9) for _, v in means}) > 1  # the steps differ: picking the best means something
+    saved = load_checkpoint(dict(list_checkpoints(out / "checkpoints"))[best_step])["backbone"]
+    kept = torch.load(out / "best" / "backbone.pt", map_location="cpu", weights_only=True)
+    assert kept.keys() == saved.keys() and all(torch.equal(kept[k], saved[k]) for k in kept)
     measured = evaluate.run_bin_sets(EvaluateParams(device="cpu"), out / "best", [bin_path], tmp_path / "eval", progress=False)
     assert measured["sets"]["lfw"]["accuracy_mean"] == pytest.approx(best, abs=1e-6)
 
