@@ -100,3 +100,22 @@ def test_a_pair_order_change_changes_the_folds() -> None:
     a = insightface_verification(e1, e2, issame)
     b = insightface_verification(e1[order], e2[order], issame[order])
     assert a.fold_accuracies != b.fold_accuracies
+
+
+def test_distances_on_the_threshold_grid_are_rejected_as_insightface_does() -> None:
+    """Embeddings of ±0.5 in 4-D give squared distances of exactly 0, 1, 2, 3 or 4, points of the grid:
+    "same" is ``distance < threshold``, so a pair at a grid value is rejected by that threshold."""
+    rng = np.random.default_rng(4)
+    pairs = 2000
+    issame = np.resize(np.repeat([True, False], 100), pairs)
+    first = rng.choice([-0.5, 0.5], size=(pairs, 4))
+    flips = np.where(issame, rng.choice([0, 1, 2], size=pairs, p=[0.3, 0.5, 0.2]), rng.choice([1, 2, 3, 4], size=pairs))
+    second = first.copy()
+    for p, count in enumerate(flips):
+        second[p, rng.choice(4, count, replace=False)] *= -1
+    embeddings = np.stack([first, second], axis=1).reshape(2 * pairs, 4)
+    result = insightface_verification(first, second, issame)
+    expected = reference(embeddings, issame)
+    np.testing.assert_allclose(
+        (result.accuracy_mean, result.accuracy_std, result.val, result.val_std, result.far), expected, rtol=0, atol=1e-12
+    )
