@@ -82,6 +82,13 @@ class _Evil:
         return os.system, (self.command,)
 
 
+def _deeply_nested_label(depth: int) -> bytes:
+    """(["a", "b"], [[[[...]]]]): a label nested ``depth`` lists deep, by opcodes (pickle.dumps recurses)."""
+    images = b"](U\x01aU\x01be"
+    labels = b"]" + b"]" * depth + b"a" * (depth - 1) + b"a"
+    return b"\x80\x02" + images + labels + b"\x86."
+
+
 def _hostile(tmp_path: Path) -> dict[str, tuple[bytes, str]]:
     """name -> (file bytes, what the one-line error must say)."""
     marker = tmp_path / "ran"
@@ -100,6 +107,7 @@ def _hostile(tmp_path: Path) -> dict[str, tuple[bytes, str]]:
         "str images": (pickle.dumps((["a"] * 12, LABELS), protocol=4), "image 0 is a str"),
         "not a pickle": (b"\x89PNG not a pickle", "not a readable pickle"),
         "empty": (b"", "truncated"),
+        "deeply nested label": (_deeply_nested_label(100_000), "labels hold a list"),
     }
 
 

@@ -134,14 +134,13 @@ class _PlainDataUnpickler(pickle.Unpickler):
         raise _Refused("holds a persistent reference, which is not plain data")
 
 
-def _plain(value: Any) -> Any:
-    """Replace array stand-ins by their arrays, in the two levels a set has."""
+def _unstub(value: Any) -> Any:
+    """An array stand-in's array; anything else unchanged (only the places a set holds arrays are
+    looked at: no recursion into what a hostile file may nest deeply)."""
     if isinstance(value, _ArrayStub):
         if value.value is None:
             raise _Refused("holds a numpy array that was never filled")
         return value.value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(item) for item in value)
     return value
 
 
@@ -177,7 +176,8 @@ def _labels(value: Any) -> np.ndarray:
         raise _Refused(f"its labels are a {type(value).__name__}, not a list of bools")
     bad = [v for v in values if isinstance(v, float) or not isinstance(v, (bool, int)) or v not in (0, 1)]
     if bad:
-        raise _Refused(f"its labels hold {bad[0]!r}; expected bools (or 0/1)")
+        shown = repr(bad[0]) if isinstance(bad[0], (int, float)) else f"a {type(bad[0]).__name__}"
+        raise _Refused(f"its labels hold {shown}; expected bools (or 0/1)")
     return np.asarray(values, dtype=bool)
 
 
@@ -192,14 +192,17 @@ def parse_bin_set(data: bytes, *, name: str) -> BinSet:
         raise
     except EOFError:
         raise _Refused("is truncated (the pickle ends early)") from None
-    except (pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError) as error:
+    except (
+        pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError, KeyError, MemoryError, RecursionError
+    ) as error:
         raise _Refused(f"is not a readable pickle ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
-    loaded = _plain(loaded)
+    loaded = _unstub(loaded)
     if not isinstance(loaded, (tuple, list)) or len(loaded) != 2:
         raise _Refused("does not hold an (images, labels) pair")
-    images, labels = loaded
+    images, labels = (_unstub(item) for item in loaded)
     if not isinstance(images, (list, tuple)):
         raise _Refused(f"its images are a {type(images).__name__}, not a list")
+    images = [_unstub(item) for item in images]
     same = _labels(labels)
     if len(images) != 2 * len(same):
         raise _Refused(f"holds {len(images)} images for {len(same)} pairs (expected {2 * len(same)})")
