@@ -18,10 +18,9 @@ from train_helpers import synthetic_set, tiny_params
 from facepipe.config import EvaluateParams, TrainParams
 from facepipe.io.shards import ShardSet
 from facepipe.stages import evaluate
-from facepipe.stages.train import run
+from facepipe.stages.train import check_resumable, run
 from facepipe.training.checkpoint import list_checkpoints, load_checkpoint
 
-pytestmark = pytest.mark.slow  # five short training runs: 4.5 min on 2 loaded cores
 
 def _png(face: np.ndarray) -> bytes:
     buffer = io.BytesIO()
@@ -64,6 +63,7 @@ def _history(out: Path, name: str) -> list[tuple[int, float]]:
         return [(int(float(r["step"])), float(r[Path(name).name])) for r in csv.DictReader(handle, delimiter="\t")]
 
 
+@pytest.mark.slow  # three short training runs
 def test_validation_logs_at_its_steps_and_the_end_and_survives_a_resume(
     shard_and_bin: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -84,6 +84,7 @@ def test_validation_logs_at_its_steps_and_the_end_and_survives_a_resume(
         assert [s for s, _ in _history(resumed, name)] == [3, 5, 6, 9, 12], name
 
 
+@pytest.mark.slow  # two short training runs
 def test_keep_best_writes_the_backbone_of_the_best_step(shard_and_bin: tuple[Path, Path], tmp_path: Path) -> None:
     shard_set, bin_path = shard_and_bin
     out = tmp_path / "model"
@@ -106,3 +107,13 @@ def test_keep_best_writes_the_backbone_of_the_best_step(shard_and_bin: tuple[Pat
 def test_keep_best_needs_validation() -> None:
     with pytest.raises(ValueError, match="keep_best needs train.validation"):
         tiny_params(keep_best=True)
+
+
+def test_validation_settings_do_not_stop_a_resume(tmp_path: Path) -> None:
+    """What is measured is not what is trained: a checkpoint written before (or without) validation resumes."""
+    before = tiny_params().model_dump(mode="json")
+    for key in ("validation", "keep_best"):
+        before.pop(key)  # a checkpoint from before these keys existed
+    state = {"config": before, "data": {"fingerprint": "f"}}
+    params = tiny_params(validation={"sets": ["lfw.bin"], "every_steps": 5}, keep_best=True)
+    check_resumable(state, params=params, fingerprint="f", source=tmp_path / "checkpoints" / "step-1.pt")

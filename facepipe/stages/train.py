@@ -79,6 +79,8 @@ OPERATIONAL_KEYS = frozenset(
         "nproc_per_node",
         "device",
         "skip_corrupt_records",
+        "validation",  # what is measured while training, not what is trained
+        "keep_best",
         "head_parallel",  # checkpoints hold all class centres in class order whichever head wrote them
     }
 )
