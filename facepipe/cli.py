@@ -263,7 +263,13 @@ def _train(args: argparse.Namespace) -> int:
 
 def _evaluate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
-    parser.add_argument("prepared", type=Path, metavar="PREPARED", help="shard set holding the pair images")
+    parser.add_argument(
+        "prepared",
+        type=Path,
+        nargs="+",
+        metavar="PREPARED",
+        help="shard set holding the pair images, or one or more insightface validation sets (lfw.bin, cfp_fp.bin ...)",
+    )
     parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
     parser.add_argument(
         "--pairs",
@@ -278,8 +284,32 @@ def _evaluate_arguments(parser: argparse.ArgumentParser) -> None:
 def _evaluate(args: argparse.Namespace) -> int:
     from facepipe.stages import evaluate
 
-    report = evaluate.run(load_section(args.params, "evaluate"), args.model, args.prepared, args.out, pairs=args.pairs)
+    params = load_section(args.params, "evaluate")
+    bins = [path for path in args.prepared if path.suffix == ".bin"]
+    if bins:
+        if len(bins) != len(args.prepared) or args.pairs is not None:
+            raise FacepipeError("evaluate takes either one shard set (with --pairs) or .bin validation sets, not both")
+        print(evaluate.bin_sets_summary(evaluate.run_bin_sets(params, args.model, bins, args.out)))
+        return 0
+    if len(args.prepared) != 1:
+        raise FacepipeError(f"evaluate takes one shard set, got {len(args.prepared)}: {' '.join(map(str, args.prepared))}")
+    report = evaluate.run(params, args.model, args.prepared[0], args.out, pairs=args.pairs)
     print(evaluate.summary_line(report))
+    return 0
+
+
+def _ijb_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder written by train")
+    parser.add_argument("root", type=Path, metavar="IJB", help="insightface's IJBB or IJBC folder (meta/, loose_crop/)")
+    parser.add_argument("out", type=Path, metavar="OUT", help="folder to write (replaced atomically)")
+    parser.add_argument("--target", choices=["ijbb", "ijbc"], default=None, help="which meta files (default: the ones present)")
+    add_params_argument(parser)
+
+
+def _ijb(args: argparse.Namespace) -> int:
+    from facepipe.stages import ijb
+
+    print(ijb.summary_line(ijb.run(load_section(args.params, "ijb"), args.model, args.root, args.out, target=args.target)))
     return 0
 
 
@@ -346,6 +376,7 @@ COMMANDS: tuple[Command, ...] = (
         _train_arguments, _train,
     ),
     Command("evaluate", "verification accuracy, ROC and TAR@FAR of a trained backbone", _evaluate_arguments, _evaluate),
+    Command("ijb", "IJB-B/C 1:1 template verification (TAR@FAR 1e-6 ... 1e-1) from insightface's IJB folder", _ijb_arguments, _ijb),
     Command("export", "ONNX / TorchScript files of a trained backbone, checked against PyTorch", _export_arguments, _export),
     Command(
         "export-rec", "shard set -> insightface train.rec/train.idx/property.txt (arcface_torch's MXFaceDataset)",

@@ -154,6 +154,26 @@ class EvaluateParams(Section):
         return value
 
 
+class IjbParams(Section):
+    """``ijb``: IJB-B / IJB-C 1:1 template verification from insightface's IJB folder layout."""
+
+    batch_size: int = Field(64, ge=1)
+    flip: bool = Field(True, description="add the embedding of the mirrored face before normalizing")
+    detector_score: bool = Field(False, description="weight each face by its detector score (insightface's use_detector_score)")
+    workers: int | Literal["auto"] = Field("auto", description="threads decoding and aligning faces; auto: one per core")
+    far_targets: tuple[float, ...] = Field((1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1), description="false accept rates to report TAR at")
+    device: DeviceChoice = "auto"
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("at least 1 worker, or auto")
+        return value
+
+    _rates = field_validator("far_targets")(EvaluateParams._rates.__func__)  # type: ignore[attr-defined]
+
+
 class ExportParams(Section):
     """``export``: ONNX and TorchScript files, each checked against the PyTorch model."""
 
@@ -207,6 +227,14 @@ class AugmentParams(Section):
         if value[1] > 100:
             raise ValueError("JPEG quality must be <= 100")
         return value
+
+
+class ValidationParams(Section):
+    """``train.validation``: insightface .bin sets checked while training (rank 0, the others wait)."""
+
+    sets: tuple[str, ...] = Field(min_length=1, description="paths of .bin validation sets (lfw.bin, cfp_fp.bin ...)")
+    every_steps: int = Field(ge=1, description="optimizer steps between validations (and one at the end)")
+    batch_size: int = Field(64, ge=1)
 
 
 class TrainParams(Section):
@@ -312,6 +340,8 @@ class TrainParams(Section):
         False, description="skip (log and count) records whose checksum fails instead of stopping the run"
     )
     augment: AugmentParams = AugmentParams()
+    validation: ValidationParams | None = Field(None, description="validation sets during training; null = none")
+    keep_best: bool = Field(False, description="also write the backbone of the best validation step to OUT/best/")
 
     @model_validator(mode="after")
     def _sampling_needs_the_sharded_head(self) -> TrainParams:
@@ -330,6 +360,8 @@ class TrainParams(Section):
             raise ValueError(f"freeze_epochs ({self.freeze_epochs}) must be fewer than epochs ({self.epochs})")
         if self.init_from == "":
             raise ValueError("init_from: give a path, or null for random weights")
+        if self.keep_best and self.validation is None:
+            raise ValueError("keep_best needs train.validation (the best step is the best validation)")
         return self
 
     @field_validator("batch_size", "num_workers", "log_every", mode="before")
@@ -375,6 +407,7 @@ SECTIONS: dict[str, type[Section]] = {
     "split": SplitParams,
     "train": TrainParams,
     "evaluate": EvaluateParams,
+    "ijb": IjbParams,
     "export": ExportParams,
 }
 

@@ -62,6 +62,10 @@ MODEL_FOLDER = OutputKind(
         f"{CHECKPOINT_DIR}/step-*.pt",
         f"{CHECKPOINT_DIR}/step-*.pt.corrupt",
         f"{CHECKPOINT_DIR}/.step-*.pt.tmp-*",
+        f"best/{WEIGHTS_FILE}",  # train.keep_best: the backbone of the best validation step, a model folder itself
+        f"best/{SPEC_FILE}",
+        f"best/.{WEIGHTS_FILE}.tmp-*",
+        f"best/.{SPEC_FILE}.tmp-*",
         ".gitignore",  # DVC's, for the outs train writes (dvc.yaml); train writes into OUT, never removes it
     ),
     identify=_is_model_folder,

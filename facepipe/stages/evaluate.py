@@ -7,9 +7,15 @@ it is in.
 
 Outputs::
 
-    OUT/metrics.json   10-fold accuracy (mean, std, per fold), best threshold, AUC, TAR@FAR, counts
-    OUT/roc.csv        fpr,tpr,threshold (thinned to the curve's corners), for ``dvc plots``
-    OUT/roc.png        the same curve, drawn (opens offline)
+    OUT/metrics.json      10-fold accuracy (mean, std, per fold), best threshold, AUC, TAR@FAR, counts
+    OUT/roc.csv           fpr,tpr,threshold (thinned to the curve's corners), for ``dvc plots``
+    OUT/roc.png           the same curve, drawn (opens offline)
+    OUT/thresholds.json   the score threshold at each ``far_targets`` rate, to deploy the model at it
+
+insightface's validation sets (``lfw.bin``, ``cfp_fp.bin`` …, :mod:`facepipe.io.insightface_bin`) are
+evaluated by :func:`run_bin_sets`, several in one call: ``OUT/metrics.json`` holds each set's metrics
+under ``sets``, facepipe's own beside insightface's (``insightface_*``), and ``OUT/<set>/`` its ROC
+and thresholds.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ import numpy as np
 from facepipe.config import EvaluateParams
 from facepipe.devices import resolve_device
 from facepipe.errors import FacepipeError
+from facepipe.evaluation.bin_sets import decode_bin_faces
 from facepipe.evaluation.embed import embed_images
+from facepipe.evaluation.insightface_protocol import insightface_verification
 from facepipe.evaluation.pairs import lfw_image_key, parse_lfw_pairs, parse_pairs_jsonl
 from facepipe.evaluation.verification import VerificationResult, cosine_scores, thin_roc, verification_metrics
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
+from facepipe.io.insightface_bin import BinSet, read_bin_set
 from facepipe.io.manifest import check_shard_set, dumps, shard_set_crop
 from facepipe.io.model_dir import load_backbone
 from facepipe.io.shards import ShardSet
@@ -39,12 +48,20 @@ log = logging.getLogger("facepipe.evaluate")
 METRICS_FILE = "metrics.json"
 ROC_FILE = "roc.csv"
 ROC_PLOT = "roc.png"
+THRESHOLDS_FILE = "thresholds.json"
 #: An existing OUT is replaced only when it holds these files and nothing else.
 EVALUATE_OUTPUT = OutputKind(
     "evaluation folder",
-    patterns=(METRICS_FILE, ROC_FILE, ROC_PLOT),
+    patterns=(METRICS_FILE, ROC_FILE, ROC_PLOT, THRESHOLDS_FILE),
     identify=json_key_file(METRICS_FILE, "accuracy_mean"),
 )
+#: What :func:`run_bin_sets` writes: OUT/metrics.json, and per set OUT/<set>/{roc.csv, roc.png, thresholds.json}.
+BIN_SETS_OUTPUT = OutputKind(
+    "validation-set evaluation folder",
+    patterns=(METRICS_FILE, f"*/{ROC_FILE}", f"*/{ROC_PLOT}", f"*/{THRESHOLDS_FILE}"),
+    identify=json_key_file(METRICS_FILE, "sets"),
+)
+
 _SHOWN = 3  # example images named in an error
 
 
@@ -151,12 +168,32 @@ def metrics_dict(result: VerificationResult, **extra: Any) -> dict[str, Any]:
     return metrics
 
 
+def thresholds_dict(result: VerificationResult) -> dict[str, Any]:
+    """thresholds.json: the cosine-score threshold reaching each false accept rate (None: not measurable).
+
+    Unrounded (metrics.json rounds to 6 places): a threshold rounded down could accept a pair more.
+    """
+    return {
+        "score": "cosine similarity of L2-normalised embeddings",
+        "accept": "same person when score >= threshold",
+        "thresholds": {
+            far_key(far): None if tar is None else tar.threshold for far, tar in result.tar_at_far.items()
+        },
+        "measured_on": {"num_same": result.num_positive, "num_different": result.num_negative},
+    }
+
+
 def roc_csv(result: VerificationResult) -> str:
     """``fpr,tpr,threshold`` rows, thinned to the corners of the curve; the first threshold is inf."""
+    return roc_csv_rows(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
+
+
+def roc_csv_rows(roc_fpr: np.ndarray, roc_tpr: np.ndarray, roc_thresholds: np.ndarray) -> str:
+    """:func:`roc_csv` of an exact ROC from :func:`~facepipe.evaluation.verification.roc_curve`."""
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     writer.writerow(["fpr", "tpr", "threshold"])
-    for fpr, tpr, threshold in zip(*thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)):
+    for fpr, tpr, threshold in zip(*thin_roc(roc_fpr, roc_tpr, roc_thresholds)):
         writer.writerow([f"{fpr:.6f}", f"{tpr:.6f}", "inf" if np.isinf(threshold) else f"{threshold:.6f}"])
     return buffer.getvalue()
 
@@ -222,12 +259,117 @@ def run(
     )
     with atomic_output_dir(out, kind=EVALUATE_OUTPUT) as tmp:
         (tmp / METRICS_FILE).write_text(dumps(metrics))
-        (tmp / ROC_FILE).write_text(roc_csv(result))
-        fpr, tpr, _ = thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
-        roc_png(fpr, tpr, tmp / ROC_PLOT, title=_roc_title(metrics))
+        _write_curves(tmp, result, metrics)
     for note in metrics["notes"]:
         log.info("evaluate: %s", note)
     return metrics
+
+
+def _write_curves(folder: Path, result: VerificationResult, metrics: dict[str, Any]) -> None:
+    """roc.csv, roc.png and thresholds.json of one evaluation into ``folder``."""
+    folder.mkdir(exist_ok=True)
+    (folder / ROC_FILE).write_text(roc_csv(result))
+    (folder / THRESHOLDS_FILE).write_text(dumps(thresholds_dict(result)))
+    fpr, tpr, _ = thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
+    roc_png(fpr, tpr, folder / ROC_PLOT, title=_roc_title(metrics))
+
+
+def check_arcface_crop(spec: Any, *, what: str) -> None:
+    """insightface's sets hold faces aligned on the ArcFace template: a model of another crop is refused."""
+    if spec.crop != "arcface":
+        raise FacepipeError(
+            f"{what} hold ArcFace-aligned faces; this model was trained on {spec.crop} crops (prepare.crop)"
+        )
+
+
+def bin_set_metrics(
+    params: EvaluateParams,
+    model: Any,
+    bin_set: BinSet,
+    *,
+    image_size: int,
+    normalization: tuple[float, float],
+    device: Any,
+    progress: bool = True,
+) -> tuple[dict[str, Any], VerificationResult]:
+    """facepipe's metrics of one .bin set (cosine, stratified folds) and insightface's (``insightface_*``)."""
+    if min(int(bin_set.same.sum()), int((~bin_set.same).sum())) < params.folds:
+        raise FacepipeError(f"{bin_set.name}.bin: {params.folds} folds need at least {params.folds} pairs of each kind")
+    faces = decode_bin_faces(bin_set, image_size=image_size)
+
+    def embed(flip: bool) -> np.ndarray:
+        return embed_images(
+            model, iter(faces), count=len(faces), batch_size=params.batch_size, flip=flip, device=device,
+            progress=progress, normalization=normalization,
+        )
+
+    fused = embed(True)  # insightface's convention always adds the mirror
+    own = fused if params.flip else embed(False)
+    result = verification_metrics(
+        cosine_scores(own[0::2], own[1::2]), bin_set.same, folds=params.folds, far_targets=params.far_targets
+    )
+    theirs = insightface_verification(fused[0::2], fused[1::2], bin_set.same, folds=params.folds)
+    metrics = metrics_dict(
+        result,
+        num_pairs=bin_set.num_pairs,
+        num_images=len(faces),
+        folds=params.folds,
+        flip=params.flip,
+        pairs_format="insightface_bin",
+        insightface_accuracy_mean=_round(theirs.accuracy_mean),
+        insightface_accuracy_std=_round(theirs.accuracy_std),
+        insightface_fold_accuracies=[_round(a) for a in theirs.fold_accuracies],
+        **{
+            f"insightface_val_at_far_{far_key(theirs.far_target)}": _round(theirs.val),
+            f"insightface_val_std_at_far_{far_key(theirs.far_target)}": _round(theirs.val_std),
+            f"insightface_far_at_far_{far_key(theirs.far_target)}": _round(theirs.far),
+        },
+    )
+    return metrics, result
+
+
+def run_bin_sets(
+    params: EvaluateParams,
+    model_dir: str | Path,
+    sets: list[str | Path] | tuple[str | Path, ...],
+    out: str | Path,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate the backbone in ``model_dir`` on insightface ``.bin`` validation sets; returns metrics.json.
+
+    Every set is read and checked before any is embedded; names (the files' stems) must differ.
+    """
+    paths = [Path(p) for p in sets]
+    names = [p.stem for p in paths]
+    if len(set(names)) != len(names):
+        raise FacepipeError(f"validation sets need distinct file names, got {', '.join(map(str, paths))}")
+    check_output(out, kind=BIN_SETS_OUTPUT, sources={f"validation set {p}": p for p in paths} | {"model folder": model_dir})
+    device = resolve_device(params.device, what="evaluate.device")
+    bin_sets = [read_bin_set(p) for p in paths]
+    model, spec = load_backbone(model_dir, device=device)
+    check_arcface_crop(spec, what="insightface .bin sets")
+    per_set, results = {}, {}
+    for bin_set in bin_sets:
+        log.info("evaluate: %s, %d pairs on %s", bin_set.name, bin_set.num_pairs, device)
+        per_set[bin_set.name], results[bin_set.name] = bin_set_metrics(
+            params, model, bin_set, image_size=spec.image_size, device=device, progress=progress,
+            normalization=(spec.normalization.mean, spec.normalization.std),
+        )
+    metrics = {"sets": per_set}
+    with atomic_output_dir(out, kind=BIN_SETS_OUTPUT) as tmp:
+        (tmp / METRICS_FILE).write_text(dumps(metrics))
+        for name, result in results.items():
+            _write_curves(tmp / name, result, per_set[name])
+    return metrics
+
+
+def bin_sets_summary(metrics: dict[str, Any]) -> str:
+    return "evaluate: " + "; ".join(
+        f"{name} accuracy {m['accuracy_mean']:.4f} ± {m['accuracy_std']:.4f} (facepipe), "
+        f"{m['insightface_accuracy_mean']:.4f} ± {m['insightface_accuracy_std']:.4f} (insightface)"
+        for name, m in metrics["sets"].items()
+    )
 
 
 def _roc_title(metrics: dict[str, Any]) -> str:

@@ -15,13 +15,14 @@ written again, atomically and model.json last, when it ends: never mixed between
 
 from __future__ import annotations
 
+
 import hashlib
 import json
 import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,7 @@ from facepipe.training.optimizer import build_optimizer
 from facepipe.training.schedule import Plan, build_scheduler, make_plan, milestone_steps
 from facepipe.training.memory import batch_limit, cached_batch_size, find_batch_size
 from facepipe.training.trainer import AMP_DTYPES, FaceModel, LoopOptions, Trainer
+from facepipe.training.validation import BEST_DIR, Validator
 
 log = logging.getLogger("facepipe.train")
 
@@ -79,6 +81,8 @@ OPERATIONAL_KEYS = frozenset(
         "nproc_per_node",
         "device",
         "skip_corrupt_records",
+        "validation",  # what is measured while training, not what is trained
+        "keep_best",
         "head_parallel",  # checkpoints hold all class centres in class order whichever head wrote them
     }
 )
@@ -300,9 +304,12 @@ def _train(
         init_from=None if init is None else init.as_dict(),
     )
     options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
+    options = replace(options, validator=_validator(params, context, out=out, spec=spec, resumed=resumed_from))
     sampler, loader = _make_loader(params, context, dataset=dataset)
     start_step, fit_started = trainer.state.step, time.perf_counter()
     metrics = TrainMetrics(out, enabled=context.is_main, resume_step=resumed_from)
+    if options.validator is not None and resumed_from is not None:
+        options.validator.recover(out)  # the history TrainMetrics kept: rows up to the checkpoint
     try:
         state = trainer.fit(loader, sampler, options=options, metrics=metrics)
     finally:
@@ -466,6 +473,24 @@ def _normalization(model: FaceModel) -> tuple[float, float]:
     """(mean, std) of the backbone's family: the pixel normalisation model.json records."""
     normalization = Normalization.of(getattr(model.backbone, "family", "arcface"))
     return normalization.mean, normalization.std
+
+
+def _validator(
+    params: TrainParams, context: Distributed, *, out: Path, spec: ModelSpec, resumed: int | None
+) -> Validator | None:
+    """``train.validation`` on rank 0 (sets read and decoded now: a bad set fails before training)."""
+    if params.validation is not None and spec.crop != "arcface":  # every rank stops, none waits for rank 0
+        raise FacepipeError(
+            f"train.validation sets hold ArcFace-aligned faces; this run trains on {spec.crop} crops (prepare.crop)"
+        )
+    if params.validation is None or not context.is_main:
+        return None
+    if resumed is None and (out / BEST_DIR).is_dir():
+        remove_model_files(out / BEST_DIR)  # an earlier run's best
+    return Validator(
+        params.validation, image_size=spec.image_size, device=context.device, out=out, keep_best=params.keep_best,
+        spec=spec,
+    )
 
 
 def _make_trainer(

@@ -88,13 +88,13 @@ class TrainMetrics:
             report=None,
         )
 
-    def log(self, step: int, values: Mapping[str, float]) -> None:
-        """Record ``values`` (plain floats) at optimizer ``step`` and rewrite metrics.json."""
+    def log(self, step: int, values: Mapping[str, float], *, prefix: str = PREFIX) -> None:
+        """Record ``values`` (plain floats) at optimizer ``step`` as ``prefix/name`` and rewrite metrics.json."""
         if self._live is None:
             return
         self._live.step = step
         for name, value in values.items():
-            self._live.log_metric(f"{PREFIX}/{name}", float(value))
+            self._live.log_metric(f"{prefix}/{name}", float(value))
         self._live.make_summary()
 
     def close(self) -> None:

@@ -49,6 +49,8 @@ from facepipe.training.distributed import (
 )
 from facepipe.training.memory import peak_memory_mb
 from facepipe.training.metrics import TrainMetrics
+from facepipe.training.validation import PREFIX as VAL_PREFIX
+from facepipe.training.validation import Validator
 from facepipe.training.schedule import Plan
 
 log = logging.getLogger("facepipe.training")
@@ -115,6 +117,7 @@ class LoopOptions:
     log_every: int | None = 20  # None: auto_log_every(total steps)
     max_steps: int | None = None
     checkpoint_extra: dict[str, Any] = field(default_factory=dict)
+    validator: Validator | None = None  # train.validation, on rank 0 only
 
 
 class Trainer:
@@ -426,6 +429,7 @@ class Trainer:
                     progress.update(1)
                     if state.step % log_every == 0:
                         self._log(window, metrics)
+                    self._validate(options, metrics)
                     if self._stop(options) or sampler.epoch_finished(state.epoch_samples):
                         break  # the checkpoint below covers this step
                     if options.checkpoint_every and state.step % options.checkpoint_every == 0:
@@ -464,6 +468,16 @@ class Trainer:
             "GPU" if self.context.device.type == "cuda" else "RSS",
             values["peak_memory_mb"],
         )
+
+    def _validate(self, options: LoopOptions, metrics: TrainMetrics | None) -> None:
+        """At ``every_steps`` and at the last step, before any checkpoint of that step (so a resumed run
+        never validates a step twice or skips one)."""
+        validator, step = options.validator, self.state.step
+        if validator is None or not (validator.due(step) or self._stop(options) or step == self.plan.total_steps):
+            return
+        values = validator.validate(self.module.backbone, step)
+        if metrics is not None:
+            metrics.log(step, values, prefix=VAL_PREFIX)
 
     def _stop(self, options: LoopOptions) -> bool:
         return options.max_steps is not None and self.state.step >= options.max_steps
