@@ -211,3 +211,38 @@ def test_faces_of_another_size_than_the_model_are_refused(model_dir: Path, tmp_p
     with pytest.raises(Exception, match=r"lfw.bin: image 0 is 112x112, the model expects 32x32 aligned faces"):
         evaluate.run_bin_sets(PARAMS, model_dir, [path], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _saved_as(model_dir: Path, out: Path, **spec_changes: object) -> Path:
+    """The same weights as ``model_dir`` under another model.json."""
+    from facepipe.io.model_dir import load_backbone
+
+    backbone, spec = load_backbone(model_dir, device="cpu")
+    save_model_dir(out, backbone, spec.model_copy(update=spec_changes))
+    return out
+
+
+def test_bin_sets_are_embedded_with_the_normalisation_model_json_records(
+    model_dir: Path, pairs_and_bin: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """The same weights recorded with facenet's (x - 127.5) / 128 give other scores than with arcface's:
+    the recorded normalisation reaches the .bin path (it embedded with arcface's whatever model.json said)."""
+    from facepipe.io.model_dir import Normalization
+
+    *_, lfw = pairs_and_bin
+    facenet = _saved_as(model_dir, tmp_path / "facenet", normalization=Normalization.of("facenet"))
+    evaluate.run_bin_sets(PARAMS, model_dir, [lfw], tmp_path / "a", progress=False)
+    evaluate.run_bin_sets(PARAMS, facenet, [lfw], tmp_path / "f", progress=False)
+    a = (tmp_path / "a" / "lfw" / "roc.csv").read_text()
+    f = (tmp_path / "f" / "lfw" / "roc.csv").read_text()
+    assert a != f
+
+
+def test_a_model_of_another_crop_is_refused_on_bin_sets(
+    model_dir: Path, pairs_and_bin: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    *_, lfw = pairs_and_bin
+    facenet = _saved_as(model_dir, tmp_path / "facenet", crop="facenet")
+    with pytest.raises(Exception, match=r"^insightface \.bin sets hold ArcFace-aligned faces; this model was trained on facenet crops"):
+        evaluate.run_bin_sets(PARAMS, facenet, [lfw], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
