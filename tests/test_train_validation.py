@@ -114,6 +114,6 @@ def test_validation_settings_do_not_stop_a_resume(tmp_path: Path) -> None:
     before = tiny_params().model_dump(mode="json")
     for key in ("validation", "keep_best"):
         before.pop(key)  # a checkpoint from before these keys existed
-    state = {"config": before, "data": {"fingerprint": "f"}}
+    state = {"config": before, "data": {"fingerprint": "f", "num_samples": 16}}
     params = tiny_params(validation={"sets": ["lfw.bin"], "every_steps": 5}, keep_best=True)
-    check_resumable(state, params=params, fingerprint="f", source=tmp_path / "checkpoints" / "step-1.pt")
+    check_resumable(state, params=params, fingerprint="f", num_samples=16, source=tmp_path / "checkpoints" / "step-1.pt")
