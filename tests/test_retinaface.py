@@ -365,7 +365,8 @@ def test_prepare_with_retinaface_gives_a_normal_shard_set(retina_prepared):
     shard_set = ShardSet(out)
     assert report["counts"] == shard_set.manifest["counts"] and shard_set.manifest["counts"]["accepted"] == 7
     assert shard_set.manifest["params"]["detector"] == "retinaface"
-    assert shard_set.manifest["params"] == RETINA_PARAMS.model_dump()
+    # an arcface set records no crop keys (its manifest reads as before crop: facenet existed)
+    assert shard_set.manifest["params"] == {k: v for k, v in RETINA_PARAMS.model_dump().items() if k not in ("crop", "margin")}
     assert verify(out) == []
 
 
@@ -448,9 +449,12 @@ def test_weights_given_by_path_are_recorded_by_name_and_hash(tmp_path, retinafac
     assert recorded["detector_weights"] == {"file": "retinaface.onnx", "sha256": ONNX_SHA256}
     assert str(tmp_path) not in json.dumps(recorded)
     assert {k: v for k, v in recorded.items() if k != "detector_weights"} == {
-        k: v for k, v in params.model_dump().items() if k != "detector_weights"
+        k: v for k, v in params.model_dump().items() if k not in ("detector_weights", "crop", "margin")
     }
-    assert _manifest_params(RETINA_PARAMS) == RETINA_PARAMS.model_dump()  # the cached weights: nothing to record
+    # the cached weights: nothing to record (and an arcface set records no crop keys)
+    assert _manifest_params(RETINA_PARAMS) == {
+        k: v for k, v in RETINA_PARAMS.model_dump().items() if k not in ("crop", "margin")
+    }
 
 
 # -- large photos: reduced decoding for detection -----------------------------------------------------

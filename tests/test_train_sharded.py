@@ -160,10 +160,14 @@ def test_torchrun_sharded_run_equals_the_dense_run(tmp_path) -> None:  # type: i
     # test_sharded_head_trains_like_the_dense_head_and_checkpoints_all_centres above (float64, 1e-9).
     assert losses[0] == pytest.approx(dense_losses[0], rel=1e-6)
     assert losses[1:] == pytest.approx(dense_losses[1:], rel=1e-3)
+    # After 3 steps the amplified rounding shows in the weights: the backbone's worst element was
+    # 12.8 x (1e-3 |w| + 1e-5) apart on the native kernels of an AMD EPYC, 1.3 x at ATEN default (0.64
+    # and 0.07 of the bound below); the gathered centres 0.62 x (1e-3 |w| + 1e-5). A plumbing bug (a head
+    # not gathered, labels off by a shard) moves the first loss and the weights by O(1).
     for name, value in dense_backbone.items():
-        torch.testing.assert_close(backbone[name], value, rtol=1e-3, atol=1e-5, msg=name)
+        torch.testing.assert_close(backbone[name], value, rtol=2e-2, atol=2e-4, msg=name)
     assert state["head"]["weight"].shape == dense_state["head"]["weight"].shape  # all centres, gathered
-    torch.testing.assert_close(state["head"]["weight"], dense_state["head"]["weight"], rtol=1e-3, atol=1e-5)
+    torch.testing.assert_close(state["head"]["weight"], dense_state["head"]["weight"], rtol=5e-3, atol=5e-5)
 
 
 # --- Partial FC: sample_rate < 1 (2 gloo processes, float64) ---------------------------------------------
