@@ -71,7 +71,7 @@ test: install browser
 # The tests whose results depend on which arithmetic kernels the CPU selects (README: Reproducibility
 # across machines), run again with every library held to its baseline kernels: what a machine with an
 # older or another CPU computes. CI runs it after `make test`.
-BASELINE_KERNELS := OPENCV_CPU_DISABLE=AVX512_SKX,AVX512_COMMON,AVX512F,AVX2,FMA3,FP16,AVX,POPCNT,SSE4_2,SSE4_1,SSSE3 \
+BASELINE_KERNELS := OPENCV_CPU_DISABLE="$$(python -c 'import cv2; print(",".join(f[1:] for f in cv2.getCPUFeaturesLine().split() if f[0] == "*" and f[-1] != "?"))')" \
 	NPY_DISABLE_CPU_FEATURES="$$(python -c 'from numpy._core._multiarray_umath import __cpu_features__ as f, __cpu_dispatch__ as d; print(" ".join(k for k in d if f.get(k)))')" \
 	OPENBLAS_CORETYPE=Prescott JSIMD_FORCENONE=1 ATEN_CPU_CAPABILITY=default
 KERNEL_TESTS := tests/test_sample_determinism.py tests/test_pinned_env.py tests/test_gpu_readiness.py \
