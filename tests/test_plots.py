@@ -60,7 +60,7 @@ def test_evaluate_stage_writes_the_roc(tmp_path):
     assert pixels.shape == (ROC_SIZE[1], ROC_SIZE[0], 3)
     assert share_of(pixels, ROC) > 0.001
     assert metrics["auc"] is not None
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "roc.csv", "roc.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "roc.csv", "roc.png", "thresholds.json"]
     evaluate.run(  # an evaluation folder with its PNG is replaced, and the same data draw the same bytes
         EvaluateParams(batch_size=16, device="cpu"), tmp_path / "model", prepared, tmp_path / "eval2",
         pairs=tmp_path / "split" / "pairs.jsonl", progress=False,
