@@ -57,7 +57,7 @@ from facepipe.io.recordio import FLOAT32_EXACT, RecordIOError, read_index, read_
 from facepipe.parallel import FutureLike, dask_client, default_workers, ordered_results
 from facepipe.progress import Progress
 from facepipe.quality import REPORT_FILE, write_report
-from facepipe.stages.prepare import SHARD_SET, SetBuilder, warn_resized
+from facepipe.stages.prepare import SHARD_SET, SetBuilder, reasons_text, warn_resized
 
 log = logging.getLogger("facepipe.import")
 
@@ -398,7 +398,7 @@ def run(
             builder.abort()
             raise
         if not manifest["counts"]["accepted"]:
-            raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({_reasons(builder)})")
+            raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({reasons_text(builder)})")
         manifest["source"] = _source_entry(pack, layout)
         (tmp / "manifest.json").write_text(dumps(manifest))
         write_report(tmp, tmp / REPORT_FILE)  # rejected records live inside the pack: paths only
@@ -407,11 +407,6 @@ def run(
         (tmp / "report.json").write_text(dumps(report))
     warn_resized(builder, params.image_size)
     return report
-
-
-def _reasons(builder: SetBuilder) -> str:
-    """``reason n, ...``, most frequent first."""
-    return ", ".join(f"{reason} {n}" for reason, n in sorted(builder.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _source_entry(pack: RecPack, layout: Layout) -> dict[str, Any]:

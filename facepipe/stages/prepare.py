@@ -316,6 +316,7 @@ def run(
     warm: Callable[[], None] | None = None,
     chunks_per_task: int = 1,
     progress: bool = True,
+    refuse_empty: bool = False,
 ) -> dict[str, Any]:
     """Prepare ``raw`` into the shard set ``out``; returns the run report (also written to report.json).
 
@@ -327,7 +328,8 @@ def run(
     Prefect flow passes its task submission); it must run ``process_chunks(group, str(raw), params,
     device)`` and return a future. ``warm``, with ``submit``, readies the workers behind it (loads the
     detector) before the first chunk. ``chunks_per_task``: the most chunks one submission carries
-    (:func:`task_groups`); the output is the same for any value.
+    (:func:`task_groups`); the output is the same for any value. ``refuse_empty`` (``import``): a run
+    that accepts no face raises FacepipeError and writes nothing, as an import of a pack does.
     """
     raw, out = Path(raw), Path(out)
     started = time.perf_counter()
@@ -381,6 +383,8 @@ def run(
         except BaseException:
             builder.abort()
             raise
+        if refuse_empty and not manifest["counts"]["accepted"]:
+            raise FacepipeError(f"nothing imported from {raw}: all {len(items)} files were rejected ({reasons_text(builder)})")
         report_started = time.perf_counter()
         write_report(tmp, tmp / REPORT_FILE, raw=raw)  # bounded: a sample through the label index
         report_s = time.perf_counter() - report_started
@@ -452,6 +456,11 @@ def _base_payload(plan: UpdatePlan) -> int:
         return int(json.loads((plan.base.root / "report.json").read_text())["payload_bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
+
+
+def reasons_text(builder: SetBuilder) -> str:
+    """``reason n, ...`` of the run's rejects, most frequent first."""
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(builder.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def warn_resized(builder: SetBuilder, size: int) -> None:
