@@ -131,7 +131,9 @@ def _import(args: argparse.Namespace) -> int:
 
     at_least("--workers", args.workers, 1)
     report = import_data.run(load_section(args.params, "prepare"), args.source, args.out, workers=args.workers)
-    print(prepare.summary_line(report).replace("prepare:", "import:", 1))
+    carried = report.get("validation_sets")  # a pack's .bin sets, brought along
+    print(prepare.summary_line(report).replace("prepare:", "import:", 1)
+          + (f"; validation sets: {', '.join(f'{name} ({pairs} pairs)' for name, pairs in carried.items())}" if carried else ""))
     return 0
 
 

@@ -20,6 +20,10 @@ warning): their images keep their own labels.
 Every number of the pack is bounded by what the pack can hold before anything is allocated (the
 header's ranges by the index's keys); a pack with nothing importable is refused, nothing written.
 
+The ``.bin`` validation sets beside the ``.rec`` (``lfw.bin``, ``cfp_fp.bin`` …) come along into
+``OUT/validation/``, each read with the restricted reader first: a hostile or damaged one stops the
+import before anything is written (:mod:`facepipe.io.validation_sets`).
+
 Images are checked as prepare checks photos (decodable, not truncated, pixel limit) and must be
 aligned crops: an ``image_size`` square JPEG (PNG for ``encoding: png``) is stored byte for byte;
 any other size is resized onto the output as ``prepare.detector: none`` does (and counted, with a
@@ -54,6 +58,7 @@ from facepipe.io.atomic import atomic_output_dir, check_output
 from facepipe.io.manifest import dumps
 from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
 from facepipe.io.recordio import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
+from facepipe.io.validation_sets import MANIFEST_KEY, bin_files_beside, check_bin_files, copy_bin_files
 from facepipe.parallel import FutureLike, dask_client, default_workers, ordered_results
 from facepipe.progress import Progress
 from facepipe.quality import REPORT_FILE, write_report
@@ -378,8 +383,11 @@ def run(
     params = params.model_copy(update={"detector": "none", "detector_weights": None})
     pack = find_pack(source)
     out = Path(out)
+    bins = bin_files_beside(pack.rec.parent)
     files = {"record file": pack.rec, **({"index file": pack.idx} if pack.idx else {})}
+    files |= {f"validation set {path.name}": path for path in bins}
     check_output(out, kind=SHARD_SET, sources={"pack folder": source} if Path(source).is_dir() else files)
+    bin_entries = check_bin_files(bins)  # before any record is read: a bad .bin stops the import at once
     with open(pack.rec, "rb") as handle, atomic_output_dir(out, kind=SHARD_SET) as tmp:
         layout = read_layout(pack, handle)
         scanned = len(layout.keys) + len(layout.stray)
@@ -400,10 +408,14 @@ def run(
         if not manifest["counts"]["accepted"]:
             raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({reasons_text(builder)})")
         manifest["source"] = _source_entry(pack, layout)
+        if bins:
+            copy_bin_files(bins, bin_entries, tmp)
+            manifest[MANIFEST_KEY] = bin_entries
         (tmp / "manifest.json").write_text(dumps(manifest))
         write_report(tmp, tmp / REPORT_FILE)  # rejected records live inside the pack: paths only
         report = _report(manifest, builder, tmp, workers=n_workers, elapsed=time.perf_counter() - started)
         report["identity_records"] = layout.identity_records
+        report["validation_sets"] = {entry["file"]: entry["num_pairs"] for entry in bin_entries}
         (tmp / "report.json").write_text(dumps(report))
     warn_resized(builder, params.image_size)
     return report

@@ -36,6 +36,7 @@ from facepipe.io.manifest import (
 )
 from facepipe.io.records import encode_record
 from facepipe.io.shards import SET_FORMAT, ShardInfo, ShardWriter
+from facepipe.io.validation_sets import PATTERN as VALIDATION_PATTERN
 from facepipe.parallel import FutureLike, default_workers, dask_client, ordered_results
 from facepipe.progress import Progress
 from facepipe.quality import REPORT_FILE, write_report
@@ -84,7 +85,8 @@ def task_groups(chunks: list[list[ScanItem]], *, workers: int, most: int = 1) ->
 SHARD_SET = OutputKind(
     "shard set",
     patterns=(
-        "manifest.json", "labels.json", "rejects.jsonl", SOURCES_FILE, "report.json", REPORT_FILE, "shards/shard-*.lmdb"
+        "manifest.json", "labels.json", "rejects.jsonl", SOURCES_FILE, "report.json", REPORT_FILE, "shards/shard-*.lmdb",
+        VALIDATION_PATTERN,  # the .bin sets an import of an insightface folder brings along
     ),
     identify=json_key_file("manifest.json", "version", format=SET_FORMAT),
 )
