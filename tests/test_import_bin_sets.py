@@ -78,6 +78,8 @@ def test_import_copies_the_bin_sets_lists_and_hashes_them(insightface_folder: Pa
         expected.append({"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "num_pairs": pairs})
     assert listed == expected
     assert verify(out) == []
+    assert main(["inspect", str(out)]) == 0
+    assert "validation/cfp_fp.bin         2 pairs" in capsys.readouterr().out
     manifest = (out / "manifest.json").read_bytes()
     # an existing set with validation sets is recognised as a shard set, replaced, and comes out the same
     assert main(["import", str(insightface_folder / "train.rec"), str(out), "--workers", "1"]) == 0

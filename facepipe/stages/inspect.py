@@ -15,7 +15,7 @@ from facepipe.io import ShardSet
 from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, metadata_problems
 from facepipe.io.records import Record, decode_image, unsafe_path_reason
 from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file
-from facepipe.io.validation_sets import verify_bin_sets
+from facepipe.io.validation_sets import MANIFEST_KEY, verify_bin_sets
 from facepipe.stages.update import source_entries
 
 _SHOWN_PER_SHARD = 20  # record problems listed per shard; the rest are counted
@@ -55,6 +55,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
         # prepare --update: generations so far, and stored samples they excluded (compact drops them)
         "generations": len(shard_set.manifest.get("generations", [])) or 1,
         "excluded_samples": int(shard_set.offsets[-1]) - len(shard_set),
+        **({"validation_sets": {e["file"]: e["num_pairs"] for e in carried}} if (carried := shard_set.manifest.get(MANIFEST_KEY)) else {}),
     }
 
 
