@@ -135,7 +135,7 @@ class _Evil:
         return os.system, (self.command,)
 
 
-@pytest.mark.parametrize("case", ["code", "truncated", "not a pickle", "no pairs"])
+@pytest.mark.parametrize("case", ["code", "truncated", "not a pickle", "no pairs", "dangling link"])
 def test_a_hostile_or_damaged_bin_is_one_line_exit_2_and_nothing_is_written(
     insightface_folder: Path, tmp_path: Path, capsys, case: str
 ) -> None:
@@ -146,8 +146,12 @@ def test_a_hostile_or_damaged_bin_is_one_line_exit_2_and_nothing_is_written(
         "truncated": (good[: len(good) // 2], "truncated"),
         "not a pickle": (b"\x89PNG not a pickle", "not a readable pickle"),
         "no pairs": (pickle.dumps(([], []), protocol=4), "holds no pairs"),
+        "dangling link": (None, "cannot be read (No such file or directory)"),
     }[case]
-    (insightface_folder / "calfw.bin").write_bytes(data)
+    if data is None:
+        (insightface_folder / "calfw.bin").symlink_to(tmp_path / "gone.bin")
+    else:
+        (insightface_folder / "calfw.bin").write_bytes(data)
     before = _tree(tmp_path)
     assert main(["import", str(insightface_folder), str(tmp_path / "set"), "--workers", "1"]) == 2
     err = capsys.readouterr().err
