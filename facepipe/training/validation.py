@@ -50,7 +50,9 @@ def validation_files(params: ValidationParams | None, *, shard_set: ShardSet) ->
     if sets != "auto":
         return [BinFile(Path(path)) for path in sets]
     carried = listed_bin_files(shard_set.root, shard_set.manifest)
-    if params is not None and not carried:
+    if carried:  # say why a run without train.validation validates
+        log.info("validating on the sets %s carries: %s", shard_set.root, ", ".join(f.path.name for f in carried))
+    elif params is not None:
         log.info("train.validation sets: auto, and %s carries no validation set: no validation", shard_set.root)
     return carried
 
