@@ -21,6 +21,7 @@ from facepipe.evaluation.embed import to_model_input
 from facepipe.io.model_dir import ModelSpec, load_backbone, save_model_dir
 from facepipe.models import create_backbone
 from facepipe.stages import ijb
+from test_insightface_ijb import nearest_by_loop, roc_by_loop
 
 SIZE = 32
 PARAMS = IjbParams(batch_size=5, device="cpu", workers=3, far_targets=(1e-2, 1e-1, 0.25))
@@ -86,7 +87,11 @@ def ijb_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_ijb(tmp_path_factory.mktemp("ijb") / "IJBC")
 
 
-def direct(model_dir: Path, root: Path, *, detector_score: bool, fars: tuple[float, ...]) -> dict[float, float]:
+def direct(
+    model_dir: Path, root: Path, *, detector_score: bool, fars: tuple[float, ...]
+) -> tuple[dict[float, float], dict[float, float]]:
+    """TAR at each FAR by facepipe's rule and by insightface's (the nearest point of scikit-learn's ROC,
+    computed by the loops of test_insightface_ijb.py), straight from the files."""
     model, spec = load_backbone(model_dir)
     meta = root / "meta"
     points = {}
@@ -121,16 +126,19 @@ def direct(model_dir: Path, root: Path, *, detector_score: bool, fars: tuple[flo
             if np.mean(accepted[~labels]) <= far:
                 best = max(best, np.mean(accepted[labels]))
         result[far] = best
-    return result
+    fpr, tpr = roc_by_loop(scores.tolist(), labels.tolist())
+    return result, {far: nearest_by_loop(fpr, tpr, far) for far in fars}
 
 
 @pytest.mark.parametrize("detector_score", [False, True])
 def test_tar_at_far_equals_the_direct_computation(model_dir: Path, ijb_root: Path, tmp_path: Path, detector_score: bool) -> None:
     params = PARAMS.model_copy(update={"detector_score": detector_score})
     metrics = ijb.run(params, model_dir, ijb_root, tmp_path / "out", progress=False)
-    expected = direct(model_dir, ijb_root, detector_score=detector_score, fars=params.far_targets)
+    expected, nearest = direct(model_dir, ijb_root, detector_score=detector_score, fars=params.far_targets)
     got = {key.removeprefix("tar_at_far_"): value for key, value in metrics.items() if key.startswith("tar_at_far_")}
     assert got == pytest.approx({"1e-2": expected[1e-2], "1e-1": expected[1e-1], "2.5e-1": expected[0.25]}, abs=1e-9)
+    theirs = {k.removeprefix("insightface_tar_at_far_"): v for k, v in metrics.items() if k.startswith("insightface_tar_at_far_")}
+    assert theirs == pytest.approx({"1e-2": nearest[1e-2], "1e-1": nearest[1e-1], "2.5e-1": nearest[0.25]}, abs=1e-6)
     assert 0 < got["1e-1"] < 1  # the synthetic set is neither trivial nor hopeless
     assert metrics["num_templates"] == len({line.split()[1] for line in (ijb_root / "meta/ijbc_face_tid_mid.txt").read_text().splitlines()})
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"metrics.json", "roc.csv", "roc.png", "thresholds.json"}

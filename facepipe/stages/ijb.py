@@ -7,7 +7,8 @@ with its mirror (optionally weighted by its detector score), pooled by media the
 
 Outputs::
 
-    OUT/metrics.json     TAR at each far_targets rate (FPR <= rate, facepipe's convention), AUC, counts
+    OUT/metrics.json     TAR at each far_targets rate (FPR <= rate, facepipe's convention; and
+                         insightface_tar_at_far_*: the ROC point nearest the rate, insightface's), AUC, counts
     OUT/roc.csv          fpr,tpr,threshold, thinned to the curve's corners
     OUT/roc.png          the same curve, drawn
     OUT/thresholds.json  the score threshold at each rate
@@ -32,6 +33,7 @@ from facepipe.devices import resolve_device
 from facepipe.errors import FacepipeError
 from facepipe.evaluation.embed import embed_images
 from facepipe.evaluation.templates import pair_scores, template_features
+from facepipe.evaluation.insightface_ijb import insightface_tar_at_far
 from facepipe.evaluation.verification import roc_auc, roc_curve, tar_at_far, thin_roc
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.ijb import IjbProtocol, read_ijb
@@ -131,6 +133,9 @@ def ijb_metrics(params: IjbParams, protocol: IjbProtocol, features: np.ndarray) 
         tar = tar_at_far(fpr, tpr, thresholds, far=far, num_negative=num_negative)
         metrics[f"tar_at_far_{far_key(far)}"] = None if tar is None else round(tar.tar, 6)
         thresholds_at[far_key(far)] = None if tar is None else tar.threshold
+    metrics["insightface_tar_convention"] = "TPR of the ROC point nearest the rate, as insightface's IJB evaluation"
+    for far, tar_nearest in insightface_tar_at_far(scores, protocol.same, fars=tuple(params.far_targets)).items():
+        metrics[f"insightface_tar_at_far_{far_key(far)}"] = round(tar_nearest, 6)
     return metrics | {"thresholds": thresholds_at}, (fpr, tpr, thresholds)
 
 
