@@ -6,6 +6,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -102,6 +103,41 @@ def ordered_results(submit: Callable[[T], FutureLike], items: Iterable[T], *, wi
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
+
+
+def done(value: Any) -> Future:
+    """A future that already holds ``value``: the result of work that ran here."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+@contextmanager
+def chunk_runner(
+    work: Callable[..., Any],
+    *args: Any,
+    here: bool = False,
+    workers: int | None = None,
+    scheduler_address: str | None = None,
+    device: str = "cpu",
+    warm: Callable[[], Any] | None = None,
+    broadcast: bool = False,
+) -> Iterator[tuple[Callable[[Any], FutureLike], int]]:
+    """Where ``work(chunk, *args)`` runs, chunk by chunk: yields a submit function (chunk -> future)
+    and the number of workers behind it. ``here``: in this process, one worker, every call a done
+    future (no cluster to start). Else on Dask (:func:`dask_client`: a local cluster of ``workers``
+    processes on ``device``, or the cluster at ``scheduler_address``); ``warm`` runs once on every
+    worker before the first chunk (loads a detector before anything is timed); ``broadcast`` sends
+    ``args`` to every worker once instead of with each chunk (large arguments)."""
+    if here:
+        yield (lambda chunk: done(work(chunk, *args))), 1
+        return
+    with dask_client(workers=workers, scheduler_address=scheduler_address, device=device) as client:
+        n_workers = max(1, sum(client.nthreads().values()))
+        if warm is not None:
+            client.run(warm)
+        shared = tuple(client.scatter(list(args), broadcast=True)) if broadcast else args
+        yield (lambda chunk: client.submit(work, chunk, *shared, pure=False)), n_workers
 
 
 @contextmanager

@@ -439,7 +439,7 @@ def test_one_and_two_workers_give_byte_identical_sets(retina_prepared, tmp_path)
 
 def test_weights_given_by_path_are_recorded_by_name_and_hash(tmp_path, retinaface_onnx):
     """manifest.json holds no paths: detector_weights becomes the file's name and sha256."""
-    from facepipe.stages.prepare import _manifest_params
+    from facepipe.shardset import manifest_params as _manifest_params
 
     path = tmp_path / "models" / "retinaface.onnx"
     path.parent.mkdir()

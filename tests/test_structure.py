@@ -74,3 +74,137 @@ def test_registry_lives_outside_the_layers_that_use_it() -> None:
         tree = ast.parse(path.read_text())
         imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         assert not [m for m in imported if m.startswith("facepipe.models")], f"{path.name} borrows from models"
+
+
+# --- rooms and arrows (issue 20) ------------------------------------------------------------------
+ROOT = PACKAGE.parent
+#: The code that may name, link or rename shard files: io/ (formats) and the shard-set room.
+SHARD_ROOMS = ("facepipe/io/", "facepipe/shardset/")
+#: The core never imports these (docs/architecture.md, "Layers").
+ABOVE_THE_CORE = ("facepipe.stages", "facepipe.cli", "flows", "prefect", "dvc")
+
+
+def _above_the_core(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in ABOVE_THE_CORE)
+CORE = ("alignment", "data", "detection", "io", "models", "heads", "training", "evaluation", "quality", "shardset")
+
+
+def _sources() -> list[Path]:
+    return sorted([*PACKAGE.rglob("*.py"), *(ROOT / "flows").rglob("*.py")])
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _shard_file_handling(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where ``tree`` spells a shard file name, joins a path with ``"shards"``, or links or renames a file."""
+    found = []
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if id(node) in docstrings:
+            continue
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and ("shard-" in node.value or ".lmdb" in node.value):
+            found.append((node.lineno, f"the shard file name {node.value!r}"))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and any(
+            isinstance(side, ast.Constant) and side.value == "shards" for side in (node.left, node.right)
+        ):
+            found.append((node.lineno, 'a path joined with "shards"'))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("link", "hardlink_to", "rename"):
+            found.append((node.lineno, f".{node.func.attr}()"))
+    return found
+
+
+def test_no_shard_file_is_named_linked_or_renamed_outside_io_and_the_shard_set_room() -> None:
+    """Shard paths come from ``facepipe.io.shards`` (``shard_path``, ``shard_name``, ``SHARD_PATTERN``);
+    generations link and rename shards in ``facepipe.shardset.builder`` only."""
+    offences = [
+        f"{_name(path)}:{line}: {what}"
+        for path in _sources()
+        if not _name(path).startswith(SHARD_ROOMS)
+        for line, what in _shard_file_handling(ast.parse(path.read_text(), str(path)))
+    ]
+    assert not offences, "; ".join(offences)
+
+
+def _module_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports at module level (not inside functions)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, inside functions too."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def test_the_core_and_the_shard_set_room_import_nothing_above_them() -> None:
+    offences = [
+        f"{_name(path)} imports {module}"
+        for room in CORE
+        for path in sorted((PACKAGE / room).rglob("*.py") if (PACKAGE / room).is_dir() else [PACKAGE / f"{room}.py"])
+        for module in sorted(_all_imports(path))
+        if _above_the_core(module)
+    ]
+    offences += [
+        f"{_name(path)} imports {module}"
+        for path in sorted((PACKAGE / "io").rglob("*.py"))
+        for module in sorted(_all_imports(path))
+        if module.startswith("facepipe.shardset")
+    ]
+    assert not offences, "; ".join(offences)
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    """Arrows point down: no module of facepipe/ or flows/ imports itself back at load time."""
+    modules = {_module_of(path): path for path in _sources()}
+
+    def ours(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def below(name: str, target: str) -> bool:  # a package's own modules import from it while it loads
+        return name.startswith(target + ".")
+
+    graph = {
+        name: {m for m in map(ours, _module_imports(path)) if m and m != name and not below(name, m)}
+        for name, path in modules.items()
+    }
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(target):], target]))
+            elif target not in state:
+                visit(target, [*stack, target])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "; ".join(cycles)

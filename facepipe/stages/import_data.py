@@ -34,3 +34,8 @@ def run(
         raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
     aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
     return prepare.run(aligned, source, out, workers=workers, progress=progress, **prepare_options)
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """prepare's one line (:func:`facepipe.stages.prepare.summary_line`), said by ``import``."""
+    return prepare.summary_line(report, stage="import")
