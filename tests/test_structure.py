@@ -13,6 +13,7 @@ from typing import Literal, get_args, get_origin
 
 import facepipe
 from facepipe import config
+from facepipe.detection.registry import DETECTORS, list_detectors
 from facepipe.heads import list_heads
 from facepipe.heads.registry import HEADS
 from facepipe.models import list_backbones
@@ -28,17 +29,24 @@ def test_config_names_are_the_registries_names() -> None:
     """A new backbone or head: register it and add its name to config's list; this says which is missing."""
     assert sorted(get_args(config.BackboneName)) == list_backbones(), "config.BackboneName != registered backbones"
     assert sorted(get_args(config.HeadName)) == list_heads(), "config.HeadName != registered heads"
+    assert sorted(get_args(config.DetectorName)) == list_detectors(), "config.DetectorName != registered detectors"
     fields = config.TrainParams.model_fields
     assert fields["backbone"].annotation is config.BackboneName and fields["head"].annotation is config.HeadName
+    assert config.PrepareParams.model_fields["detector"].annotation is config.DetectorName
 
 
 def _literals(path: Path) -> list[tuple[int, frozenset[object]]]:
-    """Every ``Literal[...]`` written in ``path``: (line, its values)."""
+    """Every ``Literal[...]`` written in ``path``, and every tuple, list or set of two or more strings
+    (a choice list spelled as data, like the detector names once were): (line, its values)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Subscript) and getattr(node.value, "id", getattr(node.value, "attr", None)) == "Literal":
             elements = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             found.append((node.lineno, frozenset(ast.literal_eval(e) for e in elements)))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2 and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+        ):
+            found.append((node.lineno, frozenset(e.value for e in node.elts)))
     return found
 
 
@@ -65,6 +73,35 @@ def test_the_code_uses_configs_lists() -> None:
     assert optimizer.OptimizerName is config.OptimizerName
     assert (schedule.LRScaling, schedule.Decay) == (config.LRScaling, config.Decay)
     assert exporting.ExportFormat is config.ExportFormat
+
+
+def test_every_registry_is_the_one_mechanism() -> None:
+    """Whatever is chosen by name (backbones, heads, detectors) is filed in a ``facepipe.registry.Registry``
+    by a decorator: every registry module holds one, and none picks by comparing names."""
+    assert all(isinstance(registry, Registry) for registry in (BACKBONES, HEADS, DETECTORS))
+    for path in sorted(PACKAGE.rglob("registry.py")):
+        if path.parent == PACKAGE:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert "Registry" in calls, f"{path.relative_to(PACKAGE.parent)} builds no Registry"
+        chains = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Compare) and isinstance(n.ops[0], ast.Eq)]
+        assert not chains, f"{path.relative_to(PACKAGE.parent)}: an if-chain on names at lines {chains}"
+
+
+def test_no_caller_compares_the_detector_by_name() -> None:
+    """Callers ask the detector's traits (``PrepareParams.needs_alignment``, ``detector_kind(name)``)."""
+    offences = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "flows").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(
+                getattr(side, "attr", None) == "detector" for side in (node.left, *node.comparators)
+            ):
+                offences.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+            if isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "detector" for k in node.keys):
+                values = [v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant) and k.value == "detector"]
+                offences += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} (a detector by name)" for v in values if isinstance(v, ast.Constant)]
+    assert not offences, "; ".join(offences)
 
 
 def test_registry_lives_outside_the_layers_that_use_it() -> None:

@@ -70,7 +70,7 @@ class SetBuilder:
         self.redecided = 0  # base files decided again without reading them (now a later copy of new bytes)
         self.kept: list[int] = []  # stored indexes of the base's records that stay live
         self.payload_bytes = 0
-        self.resized: list[str] = []  # detector none: paths of crops that were not image_size squares
+        self.resized: list[str] = []  # aligned input (detector none): paths of crops that were not image_size squares
         self.unchanged = False  # set by finish(): an update that found nothing to add or remove
 
     def _duplicate_of(self, path: str, sha256: str | None) -> str | None:
@@ -94,7 +94,7 @@ class SetBuilder:
         self.accepted += 1
         self.written += 1
         self.payload_bytes += len(outcome.payload)
-        if self.params.detector == "none" and outcome.header.get("source_size") != outcome.header.get("size"):
+        if not self.params.needs_alignment and outcome.header.get("source_size") != outcome.header.get("size"):
             self.resized.append(outcome.path)
 
     def keep(self, entry: dict[str, Any], reject: dict[str, Any] | None) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from facepipe.config import PrepareParams
+from facepipe.detection.registry import aligned_detector
 from facepipe.errors import FacepipeError
 from facepipe.stages import import_rec, prepare
 
@@ -32,7 +33,7 @@ def run(
         return import_rec.run(params, source, out, workers=workers, progress=progress)
     if not Path(source).is_dir():
         raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
-    aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
+    aligned = params.model_copy(update={"detector": aligned_detector(), "detector_weights": None})
     return prepare.run(aligned, source, out, workers=workers, progress=progress, **prepare_options)
 
 

@@ -47,6 +47,7 @@ from facepipe.config import PrepareParams
 from facepipe.data.decode import Reject, load_image
 from facepipe.data.extract import Outcome
 from facepipe.detection.prealigned import aligned_landmarks
+from facepipe.detection.registry import aligned_detector
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import check_output
 from facepipe.io.manifest import dumps
@@ -372,7 +373,7 @@ def run(
     The output is byte-identical for any number.
     """
     started = time.perf_counter()
-    params = params.model_copy(update={"detector": "none", "detector_weights": None})
+    params = params.model_copy(update={"detector": aligned_detector(), "detector_weights": None})
     pack = find_pack(source)
     out = Path(out)
     files = {"record file": pack.rec, **({"index file": pack.idx} if pack.idx else {})}

@@ -221,7 +221,7 @@ class _Job:
             },
             **({"unchanged": True} if builder.unchanged else {}),
             "payload_bytes": builder.payload_bytes + (base_payload(self.plan) if self.plan is not None else 0),
-            **({"resized": len(builder.resized)} if self.params.detector == "none" else {}),
+            **({} if self.params.needs_alignment else {"resized": len(builder.resized)}),
             "shard_bytes": built.shard_bytes,
             "workers": self.workers,
             "scheduler": scheduler,
