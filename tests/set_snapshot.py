@@ -95,10 +95,8 @@ def _sequence(raw: Path, out: Path, params: Any, changes: list[Callable[[], None
 
 
 def _export(prepared: Path, pack: Path) -> None:
-    try:
-        from facepipe.stages import export_rec
-    except ImportError:
-        from facepipe.stages import export_pack as export_rec  # type: ignore[no-redef]
+    from facepipe.stages import export_rec
+
     export_rec.run(prepared, pack, progress=False)
 
 
@@ -140,7 +138,7 @@ def snapshot_mtcnn(work: Path) -> dict[str, dict[str, str]]:
     try:
         from facepipe.data.sample import make_sample_dataset
     except ImportError:
-        from facepipe.demo.photos import make_sample_dataset  # type: ignore[no-redef]
+        from facepipe.synthetic.photos import make_sample_dataset  # type: ignore[no-redef]
     raw, out = work / "raw", work / "out"
     make_sample_dataset(raw, SampleDataParams(identities=7, images_per_identity=4, seed=0, bad_files=True))
     for path in sorted(p for p in raw.rglob("*") if p.is_file()):

@@ -1,6 +1,6 @@
 """facepipe import (insightface RecordIO packs, folders of aligned faces) and facepipe export-rec.
 
-Packs are written here with facepipe.io.recordio in insightface's layout (MXNet's pack/unpack and
+Packs are written here with facepipe.io.insightface_rec in insightface's layout (MXNet's pack/unpack and
 dmlc's framing, checked byte by byte in test_recordio.py), and read back the way arcface_torch's
 MXFaceDataset reads them (:func:`arcface_read`).
 """
@@ -23,7 +23,7 @@ from facepipe.data.dataset import FaceDataset
 from facepipe.detection import create_detector
 from facepipe.detection.prealigned import aligned_landmarks
 from facepipe.io import ShardSet
-from facepipe.io.recordio import MAGIC, IRHeader, RecordIOWriter, pack, read_index, read_record, unpack
+from facepipe.io.insightface_rec import MAGIC, IRHeader, RecordIOWriter, pack, read_index, read_record, unpack
 from facepipe.stages import export_rec, import_rec
 from facepipe.stages.inspect import verify
 

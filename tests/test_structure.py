@@ -65,14 +65,14 @@ def test_each_choice_list_is_written_once() -> None:
 
 
 def test_the_code_uses_configs_lists() -> None:
-    from facepipe import exporting
+    from facepipe import model_export
     from facepipe.training import distributed, optimizer, schedule, trainer
 
     assert distributed.CommHook is config.CommHook
     assert trainer.Precision is config.Precision
     assert optimizer.OptimizerName is config.OptimizerName
     assert (schedule.LRScaling, schedule.Decay) == (config.LRScaling, config.Decay)
-    assert exporting.ExportFormat is config.ExportFormat
+    assert model_export.ExportFormat is config.ExportFormat
 
 
 def test_every_registry_is_the_one_mechanism() -> None:

@@ -21,7 +21,7 @@ import torch
 
 from facepipe.config import ExportParams
 from facepipe.errors import FacepipeError
-from facepipe.exporting import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
+from facepipe.model_export import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.model_dir import ModelSpec, load_backbone

@@ -52,8 +52,8 @@ from facepipe.errors import FacepipeError
 from facepipe.io.atomic import check_output
 from facepipe.io.manifest import dumps
 from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
-from facepipe.io.recordio import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
-from facepipe.parallel import chunk_runner, default_workers, ordered_results
+from facepipe.io.insightface_rec import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
+from facepipe.cluster import chunk_runner, default_workers, ordered_results
 from facepipe.progress import Progress
 from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, warn_resized
 

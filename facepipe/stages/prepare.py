@@ -23,7 +23,7 @@ from facepipe.data.extract import Outcome, process_chunk, warm_up, with_scan_rej
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import check_output
-from facepipe.parallel import FutureLike, chunk_runner, default_workers, ordered_results
+from facepipe.cluster import FutureLike, chunk_runner, default_workers, ordered_results
 from facepipe.progress import Progress
 from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, manifest_params, warn_resized
 from facepipe.shardset.builder import link_shards

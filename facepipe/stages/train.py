@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from facepipe.config import TrainParams
 from facepipe.data.augment import Augmenter
 from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
-from facepipe.data.sampler import ShardOrderSampler
+from facepipe.data.batch_order import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import create_head, create_model_parallel_head
 from facepipe.io.manifest import check_shard_set, shard_set_crop
@@ -52,7 +52,6 @@ from facepipe.io.model_dir import (
 )
 from facepipe.models import create_backbone
 from facepipe.models.pretrained import load_init_weights
-from facepipe.parallel import loader_workers
 from facepipe.training.checkpoint import agreed_resume_point, encode_class_names, remove_checkpoints
 from facepipe.training.distributed import (
     Distributed,
@@ -64,6 +63,7 @@ from facepipe.training.distributed import (
 from facepipe.training.metrics import TrainMetrics, draw_curves
 from facepipe.training.optimizer import build_optimizer
 from facepipe.training.schedule import Plan, build_scheduler, make_plan, milestone_steps
+from facepipe.training.loader import loader_workers
 from facepipe.training.memory import batch_limit, cached_batch_size, find_batch_size
 from facepipe.training.trainer import AMP_DTYPES, FaceModel, LoopOptions, Trainer
 from facepipe.training.validation import BEST_DIR, Validator
