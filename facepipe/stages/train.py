@@ -1,4 +1,4 @@
-"""The train stage: a prepared shard set -> a trained backbone (DESIGN.md, "train").
+"""The train stage: a prepared shard set -> a trained backbone (docs/architecture.md, "Stages").
 
 ``facepipe train PREPARED OUT`` runs as one process; ``torchrun --nproc-per-node N -m facepipe train
 PREPARED OUT`` runs the same code as N DDP processes (NCCL on CUDA, gloo on CPU). Writes::
