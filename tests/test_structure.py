@@ -263,3 +263,25 @@ def test_every_function_fits_on_a_screen() -> None:
     unexplained = {name: lines for name, lines in long.items() if name not in LONG_FUNCTIONS}
     assert not unexplained, f"split these (over {FUNCTION_LINES} lines): {unexplained}"
     assert not LONG_FUNCTIONS.keys() - long.keys(), "LONG_FUNCTIONS lists a function that fits now: remove it"
+
+
+def test_one_file_hash_and_one_jsonl_reader() -> None:
+    """Files are hashed by ``facepipe.io.shards.sha256_file`` and JSONL files read by
+    ``facepipe.io.manifest.read_jsonl``: no other function both starts a sha256 and reads a file, or
+    parses lines of an open file as JSON."""
+    homes = {"facepipe/io/shards.py::sha256_file", "facepipe/io/manifest.py::read_jsonl"}
+    copies = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or f"{_name(path)}::{node.name}" in homes:
+                continue
+            calls = [n.func for n in ast.walk(node) if isinstance(n, ast.Call)]
+            attrs = {f.attr for f in calls if isinstance(f, ast.Attribute)}
+            hashes = any(isinstance(f, ast.Attribute) and f.attr == "sha256" and getattr(f.value, "id", "") == "hashlib" for f in calls)
+            opens = "open" in attrs or any(isinstance(f, ast.Name) and f.id == "open" for f in calls)
+            if hashes and opens and "read" in attrs:
+                copies.append(f"{_name(path)}::{node.name} hashes a file")
+            loops = [n for n in ast.walk(node) if isinstance(n, ast.For) and isinstance(n.iter, ast.Name)]
+            if opens and "loads" in attrs and loops:
+                copies.append(f"{_name(path)}::{node.name} reads JSON lines")
+    assert not copies, "; ".join(copies)
