@@ -192,6 +192,8 @@ def _print_summary(root: Path, summary: dict[str, Any]) -> None:
         print(f"  {shard['file']}  {shard['num_samples']:>8} samples  {shard['bytes'] / 1e6:9.2f} MB")
     if summary["storage_overhead"] is not None:
         print(f"  storage overhead over payload bytes: {100 * summary['storage_overhead']:.1f}%")
+    for name, pairs in summary.get("validation_sets", {}).items():
+        print(f"  validation/{name}  {pairs:>8} pairs")
 
 
 def _verify_arguments(parser: argparse.ArgumentParser) -> None:

@@ -242,8 +242,12 @@ class AugmentParams(Section):
 class ValidationParams(Section):
     """``train.validation``: insightface .bin sets checked while training (rank 0, the others wait)."""
 
-    sets: tuple[str, ...] = Field(min_length=1, description="paths of .bin validation sets (lfw.bin, cfp_fp.bin ...)")
-    every_steps: int = Field(ge=1, description="optimizer steps between validations (and one at the end)")
+    sets: tuple[str, ...] | Literal["auto"] = Field(
+        "auto",
+        description="paths of .bin validation sets (lfw.bin, cfp_fp.bin ...); auto: those the training shard set "
+        "carries (facepipe import brings an insightface folder's along), none when it carries none; []: none",
+    )
+    every_steps: int = Field(2000, ge=1, description="optimizer steps between validations (and one at the end)")
     batch_size: int = Field(64, ge=1)
 
 
@@ -350,7 +354,11 @@ class TrainParams(Section):
         False, description="skip (log and count) records whose checksum fails instead of stopping the run"
     )
     augment: AugmentParams = AugmentParams()
-    validation: ValidationParams | None = Field(None, description="validation sets during training; null = none")
+    validation: ValidationParams | None = Field(
+        None,
+        description="validation sets during training; absent or null: the sets the training shard set carries, "
+        "if any, at the defaults below (sets: auto, every 2000 steps); {sets: []}: none",
+    )
     keep_best: bool = Field(False, description="also write the backbone of the best validation step to OUT/best/")
 
     @model_validator(mode="after")

@@ -7,7 +7,8 @@ the compacted set, exported as a RecordIO pack, back through ``facepipe import``
 records the sha256 of every file of the output: shards, manifest.json, labels.json, sources.jsonl,
 rejects.jsonl, report.html, and report.json less what may differ run to run (timings, throughput,
 workers). ``tests/set_snapshot.json`` holds the hashes written by the code before issue 20's move
-(commit 092ec68); ``tests/test_set_snapshot.py`` checks the code against it.
+(commit 092ec68; main at eb5c6a8 after issue 19 added ``validation_sets`` to an import's report.json);
+``tests/test_set_snapshot.py`` checks the code against it.
 
 ``python tests/set_snapshot.py OUT.json`` writes the hashes of the code on PYTHONPATH;
 ``--mtcnn`` adds the same sequence on the generated sample set with the default detector (MTCNN:

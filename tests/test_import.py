@@ -301,3 +301,26 @@ def test_missing_and_stray_keys_are_rejects_and_a_pack_without_idx_is_scanned(tm
     report = import_rec.run(PARAMS, folder, tmp_path / "scanned", workers=1, progress=False)
     assert report["counts"] == {"scanned": 3, "accepted": 3, "rejected": 0}  # keys are positions: header, images, ids
     assert sorted(records(tmp_path / "scanned")) == ["0/train.rec#1", "0/train.rec#2", "1/train.rec#3"]
+
+
+@pytest.fixture
+def cluster_free(monkeypatch):
+    """prepare's Dask runner replaced by the chunk worker in this process (a real prepare, no cluster)."""
+    from facepipe.stages import prepare
+
+    runner = prepare.chunk_runner
+    monkeypatch.setattr(prepare, "chunk_runner", lambda *args, **options: runner(*args, **{**options, "here": True}))
+
+
+def test_an_aligned_folder_import_that_accepts_nothing_exits_2_and_writes_nothing(tmp_path, capsys, cluster_free):
+    """As a pack with nothing importable: a folder import whose every file is rejected is an error, not an empty set."""
+    raw = tmp_path / "aligned"
+    for name, payload in {"ann/1.jpg": crop(1)[:300], "ann/2.jpg": b"", "bob/1.png": crop(2, 8, fmt="PNG")}.items():
+        (raw / name).parent.mkdir(parents=True, exist_ok=True)
+        (raw / name).write_bytes(payload)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["import", str(raw), str(tmp_path / "set"), "--params", str(_params(tmp_path))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"nothing imported from {raw}: all 3 files were rejected" in err, err
+    assert "unreadable 1" in err and "empty_file 1" in err and "image_too_small 1" in err, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before + [Path("params.yaml")]

@@ -16,6 +16,7 @@ well-formed set.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 from dataclasses import dataclass
@@ -211,12 +212,24 @@ def parse_bin_set(data: bytes, *, name: str) -> BinSet:
     return BinSet(name=name, images=tuple(_payload(item, i) for i, item in enumerate(images)), same=same)
 
 
-def read_bin_set(path: str | Path) -> BinSet:
-    """Read an insightface ``.bin`` validation set; its name is the file's stem (``lfw``, ``cfp_fp``)."""
+def read_bin_set(path: str | Path, *, sha256: str | None = None) -> BinSet:
+    """Read an insightface ``.bin`` validation set; its name is the file's stem (``lfw``, ``cfp_fp``).
+
+    ``sha256``: the hash a manifest lists for the file (a set a shard set carries); bytes that hash
+    otherwise are refused before they are unpickled."""
     path = Path(path)
     if not path.is_file():
         raise ForeignFileError(f"validation set not found: {path}")
+    data = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise ForeignFileError(f"{path}: sha256 differs from the manifest (see facepipe verify)")
+    return load_bin_set(data, path=path)
+
+
+def load_bin_set(data: bytes, *, path: Path) -> BinSet:
+    """:func:`parse_bin_set` of the bytes of the file at ``path``: a refusal is a one-line
+    ForeignFileError naming the file."""
     try:
-        return parse_bin_set(path.read_bytes(), name=path.stem)
+        return parse_bin_set(data, name=path.stem)
     except _Refused as refused:
         raise ForeignFileError(f"{path}: {refused}") from None

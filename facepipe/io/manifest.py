@@ -17,6 +17,7 @@ from typing import Any
 import lmdb
 
 from facepipe.io.shards import SET_FORMAT, SET_VERSION, ShardInfo, ShardReader, ShardSet, ShardSetError, sha256_file
+from facepipe.io.validation_sets import bin_set_problems
 
 #: The small files whose sha256 the manifest records under ``files``.
 HASHED_FILES = ("labels.json", "rejects.jsonl")
@@ -166,8 +167,9 @@ def duplicate_of(detail: str, path: str) -> tuple[str, bool] | None:
 
 def metadata_problems(shard_set: ShardSet) -> list[str]:
     """The cheap checks of a set (no record is read): hashes of labels.json and rejects.jsonl, counts
-    against shards and rejects, and each shard's size, sample count and label index against the
-    manifest and labels.json. Empty when they all agree. Seconds for millions of samples."""
+    against shards and rejects, each shard's size, sample count and label index against the
+    manifest and labels.json, and the validation sets it carries (present, their sizes, none
+    unlisted). Empty when they all agree. Seconds for millions of samples."""
     manifest, root = shard_set.manifest, shard_set.root
     problems = _small_file_problems(root, manifest.get("files"))
     names = shard_set.identities
@@ -178,7 +180,7 @@ def metadata_problems(shard_set: ShardSet) -> list[str]:
     problems += _count_problems(manifest, root / "rejects.jsonl")
     for entry, reader in zip(manifest["shards"], shard_set.readers):
         problems += _shard_problems(entry, reader, num_identities=len(names))
-    return problems
+    return problems + bin_set_problems(root, manifest)
 
 
 def check_shard_set(root: str | Path) -> ShardSet:

@@ -12,6 +12,6 @@ streams and call :func:`build_set`.
 """
 
 from facepipe.shardset.build import Built, build_set
-from facepipe.shardset.builder import SHARD_SET, Generation, SetBuilder, manifest_params, warn_resized
+from facepipe.shardset.builder import SHARD_SET, Generation, SetBuilder, manifest_params, reasons_text, warn_resized
 
-__all__ = ["SHARD_SET", "Built", "Generation", "SetBuilder", "build_set", "manifest_params", "warn_resized"]
+__all__ = ["SHARD_SET", "Built", "Generation", "SetBuilder", "build_set", "manifest_params", "reasons_text", "warn_resized"]

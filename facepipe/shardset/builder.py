@@ -24,6 +24,7 @@ from facepipe.io.atomic import OutputKind, json_key_file
 from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, build_manifest, duplicate_detail, reject_line, write_metadata
 from facepipe.io.records import encode_record
 from facepipe.io.shards import SET_FORMAT, SHARD_PATTERN, SHARDS_DIR, ShardInfo, ShardSet, ShardWriter, shard_name
+from facepipe.io.validation_sets import PATTERN as VALIDATION_PATTERN
 from facepipe.quality import REPORT_FILE
 
 log = logging.getLogger("facepipe.prepare")
@@ -35,7 +36,8 @@ NEW_SHARDS = ".new-shards"
 SHARD_SET = OutputKind(
     "shard set",
     patterns=(
-        "manifest.json", "labels.json", "rejects.jsonl", SOURCES_FILE, "report.json", REPORT_FILE, f"{SHARDS_DIR}/{SHARD_PATTERN}"
+        "manifest.json", "labels.json", "rejects.jsonl", SOURCES_FILE, "report.json", REPORT_FILE, f"{SHARDS_DIR}/{SHARD_PATTERN}",
+        VALIDATION_PATTERN,  # the .bin sets an import of an insightface folder brings along
     ),
     identify=json_key_file("manifest.json", "version", format=SET_FORMAT),
 )
@@ -219,6 +221,11 @@ def manifest_params(params: PrepareParams) -> dict[str, Any]:
 
         resolved["detector_weights"] = weights_record(params.detector_weights)
     return resolved
+
+
+def reasons_text(builder: SetBuilder) -> str:
+    """``reason n, ...`` of the run's rejects, most frequent first."""
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(builder.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def warn_resized(builder: SetBuilder, size: int) -> None:

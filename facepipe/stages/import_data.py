@@ -4,7 +4,8 @@ SOURCE is either an insightface RecordIO pack (a ``.rec`` file, or a folder with
 :mod:`facepipe.stages.import_rec`) or a folder of pre-aligned face crops in the ``identity/image``
 layout, which is prepare with ``detector: none`` (no detection; the crops are checked, resized to
 ``image_size`` when they are not that size, and everything else is prepare: rejects, duplicates,
-accounting, Dask workers, atomic output). Both read the ``prepare`` section of the params file.
+accounting, Dask workers, atomic output). Both read the ``prepare`` section of the params file, and
+both refuse a source of which nothing is accepted (an empty set is never what an import is for).
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ def run(
     if not Path(source).is_dir():
         raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
     aligned = params.model_copy(update={"detector": aligned_detector(), "detector_weights": None})
-    return prepare.run(aligned, source, out, workers=workers, progress=progress, **prepare_options)
+    return prepare.run(aligned, source, out, workers=workers, progress=progress, refuse_empty=True, **prepare_options)
 
 
 def summary_line(report: dict[str, Any]) -> str:
-    """prepare's one line (:func:`facepipe.stages.prepare.summary_line`), said by ``import``."""
-    return prepare.summary_line(report, stage="import")
+    """prepare's one line (:func:`facepipe.stages.prepare.summary_line`), said by ``import``, and the
+    ``.bin`` validation sets a pack brought along."""
+    carried = report.get("validation_sets")
+    sets = ", ".join(f"{name} ({pairs} pairs)" for name, pairs in carried.items()) if carried else ""
+    return prepare.summary_line(report, stage="import") + (f"; validation sets: {sets}" if sets else "")

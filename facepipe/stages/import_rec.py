@@ -20,6 +20,10 @@ warning): their images keep their own labels.
 Every number of the pack is bounded by what the pack can hold before anything is allocated (the
 header's ranges by the index's keys); a pack with nothing importable is refused, nothing written.
 
+The ``.bin`` validation sets beside the ``.rec`` (``lfw.bin``, ``cfp_fp.bin`` …) come along into
+``OUT/validation/``, each read with the restricted reader first: a hostile or damaged one stops the
+import before anything is written (:mod:`facepipe.io.validation_sets`).
+
 Images are checked as prepare checks photos (decodable, not truncated, pixel limit) and must be
 aligned crops: an ``image_size`` square JPEG (PNG for ``encoding: png``) is stored byte for byte;
 any other size is resized onto the output as ``prepare.detector: none`` does (and counted, with a
@@ -43,6 +47,7 @@ from typing import IO, Any
 import numpy as np
 
 from facepipe.alignment import align_face
+from facepipe.cluster import chunk_runner, default_workers, ordered_results
 from facepipe.config import PrepareParams
 from facepipe.data.decode import Reject, load_image
 from facepipe.data.extract import Outcome
@@ -53,9 +58,9 @@ from facepipe.io.atomic import check_output
 from facepipe.io.manifest import dumps
 from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
 from facepipe.io.insightface_rec import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
-from facepipe.cluster import chunk_runner, default_workers, ordered_results
+from facepipe.io.validation_sets import MANIFEST_KEY, bin_files_beside, check_bin_files, copy_bin_files
 from facepipe.progress import Progress
-from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, warn_resized
+from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, reasons_text, warn_resized
 
 log = logging.getLogger("facepipe.import")
 
@@ -376,8 +381,11 @@ def run(
     params = params.model_copy(update={"detector": aligned_detector(), "detector_weights": None})
     pack = find_pack(source)
     out = Path(out)
+    bins = bin_files_beside(pack.rec.parent)
     files = {"record file": pack.rec, **({"index file": pack.idx} if pack.idx else {})}
+    files |= {f"validation set {path.name}": path for path in bins}
     check_output(out, kind=SHARD_SET, sources={"pack folder": source} if Path(source).is_dir() else files)
+    bin_entries = check_bin_files(bins)  # before any record is read: a bad .bin stops the import at once
     with open(pack.rec, "rb") as handle:
         layout = read_layout(pack, handle)
     scanned = len(layout.keys) + len(layout.stray)
@@ -395,8 +403,11 @@ def run(
             builder.add(outcome)
         manifest = builder.finish(scanned)
         if not manifest["counts"]["accepted"]:
-            raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({_reasons(builder)})")
+            raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({reasons_text(builder)})")
         manifest["source"] = _source_entry(pack, layout)
+        if bins:
+            copy_bin_files(bins, bin_entries, builder.root)
+            manifest[MANIFEST_KEY] = bin_entries
         (builder.root / "manifest.json").write_text(dumps(manifest))
         return manifest
 
@@ -404,17 +415,13 @@ def run(
         return {
             **_report(built, workers=n_workers, elapsed=time.perf_counter() - started),
             "identity_records": layout.identity_records,
+            "validation_sets": {entry["file"]: entry["num_pairs"] for entry in bin_entries},
         }
 
     # rejected records live inside the pack: report.html lists them by path
     summary, builder = build_set(out, params, produce, report)
     warn_resized(builder, params.image_size)
     return summary
-
-
-def _reasons(builder: SetBuilder) -> str:
-    """``reason n, ...``, most frequent first."""
-    return ", ".join(f"{reason} {n}" for reason, n in sorted(builder.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _source_entry(pack: RecPack, layout: Layout) -> dict[str, Any]:

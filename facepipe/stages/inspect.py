@@ -15,6 +15,7 @@ from facepipe.io import ShardSet
 from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, metadata_problems, read_jsonl
 from facepipe.io.records import Record, decode_image, unsafe_path_reason
 from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file, shard_path
+from facepipe.io.validation_sets import MANIFEST_KEY, verify_bin_sets
 from facepipe.shardset.update import source_entries
 
 _SHOWN_PER_SHARD = 20  # record problems listed per shard; the rest are counted
@@ -53,6 +54,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
         # prepare --update: generations so far, and stored samples they excluded (compact drops them)
         "generations": len(shard_set.manifest.get("generations", [])) or 1,
         "excluded_samples": int(shard_set.offsets[-1]) - len(shard_set),
+        **({"validation_sets": {e["file"]: e["num_pairs"] for e in carried}} if (carried := shard_set.manifest.get(MANIFEST_KEY)) else {}),
     }
 
 
@@ -117,7 +119,8 @@ def verify(root: str | Path) -> list[str]:
     The cheap checks of :func:`facepipe.io.manifest.metadata_problems` (hashes of the small files,
     counts, shard sizes and label indexes), then every shard's sha256 and every record: CRC-32,
     header, label against the label index and labels.json, path (safe, under its identity's folder,
-    never twice in the set) and image decoding; and rejects.jsonl line by line.
+    never twice in the set) and image decoding; rejects.jsonl line by line; and each validation set
+    the set carries (sha256, a restricted read, its number of pairs).
     """
     shard_set = ShardSet(root)
     problems = metadata_problems(shard_set)
@@ -133,7 +136,7 @@ def verify(root: str | Path) -> list[str]:
     problems += _verify_rejects(Path(root) / "rejects.jsonl", shard_set.manifest, seen=seen)
     if (Path(root) / SOURCES_FILE).is_file():
         problems += _verify_sources(Path(root), shard_set.manifest, live=live)
-    return problems
+    return problems + verify_bin_sets(Path(root), shard_set.manifest)
 
 
 def _verify_shard(

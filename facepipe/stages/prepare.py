@@ -25,7 +25,7 @@ from facepipe.errors import FacepipeError
 from facepipe.io.atomic import check_output
 from facepipe.cluster import FutureLike, chunk_runner, default_workers, ordered_results
 from facepipe.progress import Progress
-from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, manifest_params, warn_resized
+from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, manifest_params, reasons_text, warn_resized
 from facepipe.shardset.builder import link_shards
 from facepipe.shardset.update import NotGrowable, UpdatePlan, base_generation, base_payload, file_stats, has_set, plan_update
 
@@ -98,6 +98,7 @@ def run(
     warm: Callable[[], None] | None = None,
     chunks_per_task: int = 1,
     progress: bool = True,
+    refuse_empty: bool = False,
 ) -> dict[str, Any]:
     """Prepare ``raw`` into the shard set ``out``; returns the run report (also written to report.json).
 
@@ -109,7 +110,8 @@ def run(
     Prefect flow passes its task submission); it must run ``process_chunks(group, str(raw), params,
     device)`` and return a future. ``warm``, with ``submit``, readies the workers behind it (loads the
     detector) before the first chunk. ``chunks_per_task``: the most chunks one submission carries
-    (:func:`task_groups`); the output is the same for any value.
+    (:func:`task_groups`); the output is the same for any value. ``refuse_empty`` (``import``): a run
+    that accepts no face raises FacepipeError and writes nothing, as an import of a pack does.
     """
     raw, out = Path(raw), Path(out)
     job = _Job.scan(params, raw, out, update=update)
@@ -128,7 +130,7 @@ def run(
     report, builder = build_set(
         out,
         params,
-        lambda builder: job.produce(builder, runner, chunks_per_task=chunks_per_task, progress=progress),
+        lambda builder: job.produce(builder, runner, chunks_per_task=chunks_per_task, progress=progress, refuse_empty=refuse_empty),
         lambda built: job.report(built, scheduler=scheduler),
         base=base_generation(job.plan),
         begin=None if job.plan is None else partial(link_shards, job.plan.base),
@@ -175,10 +177,16 @@ class _Job:
         return [self.todo[i : i + size] for i in range(0, len(self.todo), size)]
 
     def produce(
-        self, builder: SetBuilder, runner: AbstractContextManager[tuple[Submit, int]], *, chunks_per_task: int, progress: bool
+        self,
+        builder: SetBuilder,
+        runner: AbstractContextManager[tuple[Submit, int]],
+        *,
+        chunks_per_task: int,
+        progress: bool,
+        refuse_empty: bool,
     ) -> dict[str, Any]:
         """Feed ``builder`` every scanned file in scan order (read by ``runner``'s workers or reused);
-        returns the manifest."""
+        returns the manifest. ``refuse_empty``: a set with no accepted face raises FacepipeError."""
         builder.stats = self.stats
         startup_started = time.perf_counter()
         with runner as (submit_chunk, n_workers), Progress(len(self.todo), desc="prepare", enabled=progress) as bar:
@@ -190,9 +198,13 @@ class _Job:
                 bar.update(1)
             self.timings["process"] = time.perf_counter() - process_started
         if self.plan is None:
-            return builder.finish(len(self.items))
-        excluded = self.plan.excluded(builder.kept)
-        return builder.finish(len(self.items), processed=len(self.todo), removed=self.plan.removed, excluded=excluded)
+            manifest = builder.finish(len(self.items))
+        else:
+            excluded = self.plan.excluded(builder.kept)
+            manifest = builder.finish(len(self.items), processed=len(self.todo), removed=self.plan.removed, excluded=excluded)
+        if refuse_empty and not manifest["counts"]["accepted"]:
+            raise FacepipeError(f"nothing imported from {self.raw}: all {len(self.items)} files were rejected ({reasons_text(builder)})")
+        return manifest
 
     def _outcomes(self, submit_chunk: Submit, *, n_workers: int, most: int) -> Iterator[Outcome]:
         """The workers' outcomes of ``todo``, in scan order, with the scan's own rejects in place."""

@@ -40,6 +40,7 @@ from facepipe.errors import FacepipeError
 from facepipe.heads import create_head, create_model_parallel_head
 from facepipe.io.manifest import check_shard_set, shard_set_crop
 from facepipe.io.atomic import check_output, remove_stale_temporaries
+from facepipe.io.shards import ShardSet
 from facepipe.io.model_dir import (
     CHECKPOINT_DIR,
     MODEL_FOLDER,
@@ -66,7 +67,7 @@ from facepipe.training.schedule import Plan, build_scheduler, make_plan, milesto
 from facepipe.training.loader import loader_workers
 from facepipe.training.memory import batch_limit, cached_batch_size, find_batch_size
 from facepipe.training.trainer import AMP_DTYPES, FaceModel, LoopOptions, Trainer
-from facepipe.training.validation import BEST_DIR, Validator
+from facepipe.training.validation import BEST_DIR, Validator, validation_files
 
 log = logging.getLogger("facepipe.train")
 
@@ -294,7 +295,8 @@ def _train(
 
     spec = _model_spec(params, dataset, model, init=init)
     options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
-    options = replace(options, validator=_validator(params, context, out=out, spec=spec, resumed=resumed_from))
+    validator = _validator(params, context, out=out, spec=spec, resumed=resumed_from, shard_set=dataset.shards)
+    options = replace(options, validator=validator)
     state, samples_per_s = _fit(
         trainer, params, context, dataset=dataset, options=options, out=out, resumed_from=resumed_from, batch=plan.effective_batch
     )
@@ -505,20 +507,22 @@ def _normalization(model: FaceModel) -> tuple[float, float]:
 
 
 def _validator(
-    params: TrainParams, context: Distributed, *, out: Path, spec: ModelSpec, resumed: int | None
+    params: TrainParams, context: Distributed, *, out: Path, spec: ModelSpec, resumed: int | None, shard_set: ShardSet
 ) -> Validator | None:
-    """``train.validation`` on rank 0 (sets read and decoded now: a bad set fails before training)."""
-    if params.validation is not None and spec.crop != "arcface":  # every rank stops, none waits for rank 0
+    """``train.validation`` on rank 0 (sets read and decoded now: a bad set fails before training); without
+    it, the validation sets ``shard_set`` carries, if any. Every rank decides the same from the manifest."""
+    files = validation_files(params.validation, shard_set=shard_set)
+    if files and spec.crop != "arcface":  # every rank stops, none waits for rank 0
         raise FacepipeError(
             f"train.validation sets hold ArcFace-aligned faces; this run trains on {spec.crop} crops (prepare.crop)"
         )
-    if params.validation is None or not context.is_main:
+    if not files or not context.is_main:
         return None
     if resumed is None and (out / BEST_DIR).is_dir():
         remove_model_files(out / BEST_DIR)  # an earlier run's best
     return Validator(
-        params.validation, image_size=spec.image_size, device=context.device, out=out, keep_best=params.keep_best,
-        spec=spec,
+        params.validation, files=files, image_size=spec.image_size, device=context.device, out=out,
+        keep_best=params.keep_best, spec=spec,
     )
 
 

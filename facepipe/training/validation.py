@@ -7,6 +7,11 @@ in dvclive beside the loss (``val/<set>/accuracy``, ``val/<set>/insightface_accu
 ``val/mean_accuracy``, ``val/seconds``: the pause), the best step is the one of the best mean
 accuracy (the first on ties), and with ``keep_best`` that step's backbone is written to ``OUT/best/``.
 A resumed run recovers the best step from the history it keeps (rows up to its checkpoint).
+
+Which sets: ``train.validation.sets`` by path, or ``auto`` (also what an absent ``train.validation``
+means) for the sets the training shard set carries (:mod:`facepipe.io.validation_sets`: what
+``facepipe import`` of an insightface folder brought along), each checked against the sha256 its
+manifest lists; a set that carries none is trained without validation.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from facepipe.evaluation.insightface_protocol import insightface_verification
 from facepipe.evaluation.verification import cosine_scores, kfold_accuracy
 from facepipe.io.insightface_bin import read_bin_set
 from facepipe.io.model_dir import ModelSpec, save_model_dir
+from facepipe.io.shards import ShardSet
+from facepipe.io.validation_sets import BinFile, listed_bin_files
 
 log = logging.getLogger("facepipe.training")
 
@@ -36,18 +43,34 @@ BEST_DIR = "best"
 MEAN = f"{PREFIX}/mean_accuracy"
 
 
+def validation_files(params: ValidationParams | None, *, shard_set: ShardSet) -> list[BinFile]:
+    """The .bin files to validate on (empty: no validation): ``params.sets`` by path, or with ``auto`` and
+    when ``params`` is None (``train.validation`` absent) the sets ``shard_set`` carries."""
+    sets = (params or ValidationParams()).sets
+    if sets != "auto":
+        return [BinFile(Path(path)) for path in sets]
+    carried = listed_bin_files(shard_set.root, shard_set.manifest)
+    if carried:  # say why a run without train.validation validates
+        log.info("validating on the sets %s carries: %s", shard_set.root, ", ".join(f.path.name for f in carried))
+    elif params is not None:
+        log.info("train.validation sets: auto, and %s carries no validation set: no validation", shard_set.root)
+    return carried
+
+
 class Validator:
-    """Decoded faces of each set, and the best step so far."""
+    """Decoded faces of each set, and the best step so far. ``params`` None: the defaults (``files``
+    then being the sets the shard set carries)."""
 
     def __init__(
-        self, params: ValidationParams, *, image_size: int, device: torch.device, out: Path, keep_best: bool,
-        spec: ModelSpec,
+        self, params: ValidationParams | None, *, files: list[BinFile], image_size: int, device: torch.device,
+        out: Path, keep_best: bool, spec: ModelSpec,
     ) -> None:
+        params = params or ValidationParams()
         self.every_steps, self.batch_size, self.device = params.every_steps, params.batch_size, device
         self.out, self.keep_best, self.spec = out, keep_best, spec
         self.sets = []
-        for path in params.sets:
-            bin_set = read_bin_set(path)
+        for file in files:
+            bin_set = read_bin_set(file.path, sha256=file.sha256)
             self.sets.append((bin_set.name, decode_bin_faces(bin_set, image_size=image_size), bin_set.same))
         self.best_step: int | None = None
         self.best_accuracy = -1.0
