@@ -43,8 +43,8 @@ import json, re, sys, time
 from pathlib import Path
 from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
-from facepipe.stages.prepare import Generation, SetBuilder
-from facepipe.stages.update import source_entries
+from facepipe.shardset import Generation, SetBuilder
+from facepipe.shardset.update import source_entries
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 params = PrepareParams(detector="none")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from facepipe.data.dataset import select_identities
-from facepipe.data.sampler import ShardOrderSampler
+from facepipe.data.batch_order import ShardOrderSampler
 
 
 def best_seconds(work: Callable[[], object], repeats: int) -> float:

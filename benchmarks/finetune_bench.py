@@ -33,7 +33,7 @@ import torch
 
 import facepipe  # noqa: F401  (offline environment defaults)
 from facepipe.config import EvaluateParams, PrepareParams, SampleDataParams, SplitParams, TrainParams
-from facepipe.data.sample import make_sample_dataset
+from facepipe.synthetic.photos import make_sample_dataset
 from facepipe.stages import evaluate, prepare, split
 from facepipe.stages.train import run as train
 

@@ -32,7 +32,7 @@ import facepipe  # noqa: F401
 from facepipe.alignment import align_face
 from facepipe.config import PrepareParams, SampleDataParams
 from facepipe.data.decode import Reject, load_image
-from facepipe.data.sample import make_sample_dataset
+from facepipe.synthetic.photos import make_sample_dataset
 from facepipe.data.scan import scan_raw
 from facepipe.detection import Face, select_face
 from facepipe.io.records import encode_image

@@ -47,7 +47,7 @@ def _peak_rss() -> int:
 
 def write_set(root: Path, *, identities: int, per_identity: int) -> float:
     """The synthetic set at ``root`` (16 x 16 faces, 10,000 per shard, 64 distinct payloads); seconds."""
-    from facepipe.io.synthetic import write_synthetic_shard_set
+    from facepipe.synthetic.shards import write_synthetic_shard_set
 
     started = time.perf_counter()
     write_synthetic_shard_set(
@@ -61,7 +61,7 @@ def data_phases(_rank: int, shard_root: str, split_root: str, queue) -> None:  #
     """Each step of the data path in order, in this (fresh) process: (name, seconds, peak RSS bytes)."""
     from facepipe.config import SplitParams
     from facepipe.data.dataset import FaceDataset
-    from facepipe.data.sampler import ShardOrderSampler
+    from facepipe.data.batch_order import ShardOrderSampler
     from facepipe.io.manifest import check_shard_set
     from facepipe.stages import split
     from facepipe.stages.train import data_fingerprint

@@ -28,7 +28,7 @@ import numpy as np
 
 from facepipe.io import ShardReader, ShardSet, ShardWriter
 from facepipe.io.records import decode_image, decode_record, payload_offset
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 
 
 def write_format_2(path: Path, records: list[bytes], labels: list[int]) -> int:

@@ -38,10 +38,10 @@ import facepipe  # noqa: F401  (offline environment defaults)
 from facepipe.config import TrainParams
 from facepipe.data.augment import Augmenter, to_tensor, to_uint8_tensor
 from facepipe.data.dataset import FaceDataset, make_loader
-from facepipe.data.sampler import ShardOrderSampler
+from facepipe.data.batch_order import ShardOrderSampler
 from facepipe.io.records import decode_image, decode_record, payload_offset
 from facepipe.io.shards import ShardReader
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.stages.train import build_model
 from facepipe.training.distributed import Distributed
 from facepipe.training.optimizer import build_optimizer

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import facepipe  # noqa: F401
 from facepipe.config import SampleDataParams
-from facepipe.data.sample import make_sample_dataset
+from facepipe.synthetic.photos import make_sample_dataset
 
 
 def timed(*args: str) -> float:

@@ -2,7 +2,7 @@
 
 Writes a synthetic ``sources.jsonl`` of ``--files`` lines (8 photos per identity, one line per file as
 prepare writes them) under ``--root``, then in a fresh process per repeat reads it as the update does
-(``facepipe.stages.update.read_sources``) and reports the time and the growth of the resident set. With
+(``facepipe.shardset.update.read_sources``) and reports the time and the growth of the resident set. With
 ``--scan`` it also creates ``--files`` empty files in that layout and times the scan that every prepare
 and update starts with (``scan_raw``) plus the update's per-file stats (``file_stats``) the same way.
 
@@ -25,7 +25,7 @@ from facepipe.io.manifest import SourcesDigest
 PROBE = """
 import json, re, sys, time
 from pathlib import Path
-from facepipe.stages.update import read_sources
+from facepipe.shardset.update import read_sources
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 before = rss()
@@ -38,7 +38,7 @@ SCAN_PROBE = """
 import json, re, sys, time
 from pathlib import Path
 from facepipe.data.scan import scan_raw
-from facepipe.stages.update import file_stats
+from facepipe.shardset.update import file_stats
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 before = rss()

@@ -127,13 +127,11 @@ def _import_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from facepipe.stages import import_data, prepare
+    from facepipe.stages import import_data
 
     at_least("--workers", args.workers, 1)
     report = import_data.run(load_section(args.params, "prepare"), args.source, args.out, workers=args.workers)
-    carried = report.get("validation_sets")  # a pack's .bin sets, brought along
-    print(prepare.summary_line(report).replace("prepare:", "import:", 1)
-          + (f"; validation sets: {', '.join(f'{name} ({pairs} pairs)' for name, pairs in carried.items())}" if carried else ""))
+    print(import_data.summary_line(report))
     return 0
 
 

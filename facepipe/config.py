@@ -18,11 +18,14 @@ from pydantic import (
     model_validator,
 )
 
+from facepipe.detection.registry import detector_kind, list_detectors
 from facepipe.errors import FacepipeError
 
 
 # The choice lists of params.yaml, each defined once here (the bottom layer) and imported by the code
-# that acts on them. Backbone and head names must equal their registries' (tests/test_structure.py).
+# that acts on them. Backbone, head and detector names must equal their registries' (tests/test_structure.py);
+# what a detector is (needs alignment, takes weights) its registry says (facepipe.detection.registry, which
+# loads no detector: it sits below this module).
 BackboneName = Literal["iresnet18", "iresnet34", "iresnet50", "iresnet100", "mobilefacenet", "inception_resnet_v1"]
 HeadName = Literal["arcface", "cosface", "curricularface", "softmax"]
 HeadParallel = Literal["dense", "sharded"]
@@ -34,6 +37,7 @@ Precision = Literal["off", "bf16", "fp16"]
 CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ExportFormat = Literal["onnx", "torchscript"]
+DetectorName = Literal["mtcnn", "retinaface", "none", "facenet_pytorch"]
 
 
 class ParamsError(FacepipeError):
@@ -52,7 +56,7 @@ class PrepareParams(Section):
     image_size: int = Field(112, ge=16, le=1024, description="side of the aligned square face, pixels")
     encoding: Literal["jpeg", "png"] = "jpeg"
     quality: int = Field(95, ge=1, le=100, description="JPEG quality of the stored faces")
-    detector: Literal["mtcnn", "retinaface", "none", "facenet_pytorch"] = Field(
+    detector: DetectorName = Field(
         "mtcnn",
         description="none: the images are aligned face crops already (no detection; README: Importing); "
         "facenet_pytorch: facenet-pytorch's own MTCNN, one photo at a time (its exact boxes, for crop: facenet)",
@@ -85,16 +89,22 @@ class PrepareParams(Section):
         " outside_raw_root (links inside it are always followed)",
     )
 
+    @property
+    def needs_alignment(self) -> bool:
+        """False when ``detector`` takes the images as aligned crops already (``none``)."""
+        return detector_kind(self.detector).needs_alignment
+
     @model_validator(mode="after")
     def _weights_need_retinaface(self) -> PrepareParams:
-        if self.detector_weights is not None and self.detector != "retinaface":
-            raise ValueError(f"detector_weights is for detector: retinaface ({self.detector} ships its own weights)")
+        if self.detector_weights is not None and not detector_kind(self.detector).takes_weights:
+            takers = " or ".join(name for name in list_detectors() if detector_kind(name).takes_weights)
+            raise ValueError(f"detector_weights is for detector: {takers} ({self.detector} ships its own weights)")
         if self.margin and self.crop != "facenet":
             raise ValueError("margin is for crop: facenet (the arcface crop is fixed by its template)")
         if self.margin >= self.image_size:
             raise ValueError(f"margin ({self.margin}) must be smaller than image_size ({self.image_size})")
-        if self.crop == "facenet" and self.detector == "none":
-            raise ValueError("crop: facenet needs a detector's box (detector none takes aligned crops as they are)")
+        if self.crop == "facenet" and not self.needs_alignment:
+            raise ValueError(f"crop: facenet needs a detector's box (detector {self.detector} takes aligned crops as they are)")
         return self
 
 

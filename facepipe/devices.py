@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     import torch
 
 
+def available_cores() -> int:
+    """Cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def cuda_device_count() -> int:
     """GPUs this process can see (0 without CUDA); does not initialise CUDA."""
     import torch

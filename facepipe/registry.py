@@ -1,8 +1,10 @@
 """``Registry``: name -> builder tables filled by decorators at definition time (timm style).
 
-Neutral ground for the registries of several layers: backbones (``facepipe.models``) and margin
-heads (``facepipe.heads``) each keep an instance. The names a params file may use are the ``Literal``
-lists in ``facepipe.config``; tests/test_structure.py checks that they equal the registries' names.
+Neutral ground for the registries of several layers: backbones (``facepipe.models``), margin heads
+(``facepipe.heads``) and detectors (``facepipe.detection``, entries with traits) each keep an
+instance; it is the one mechanism for whatever is chosen by name. The names a params file may use are
+the ``Literal`` lists in ``facepipe.config``; tests/test_structure.py checks that they equal the
+registries' names.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import facepipe  # noqa: F401  - offline environment first
 from facepipe.config import PrepareParams, load_section
 from facepipe.errors import FacepipeError
-from facepipe.parallel import local_cluster_kwargs, worker_config
+from facepipe.cluster import local_cluster_kwargs, worker_config
 from facepipe.quality import REPORT_FILE
 from facepipe.stages import prepare as prepare_stage
 from facepipe.stages.prepare import Outcome, process_chunks, warm_up
@@ -151,7 +151,7 @@ def task_runner(
     *, workers: int | None, scheduler_address: str | None, device: str, verbose: bool, device_count: int | None = None
 ) -> DaskTaskRunner:
     """The flow's Dask task runner: an existing cluster, or a local one laid out as the CLI's
-    (:func:`facepipe.parallel.local_cluster_kwargs`: one worker per core, or with GPUs each worker on its
+    (:func:`facepipe.cluster.local_cluster_kwargs`: one worker per core, or with GPUs each worker on its
     own GPU); ``device_count`` overrides how many GPUs there are, for tests."""
     if scheduler_address:
         return DaskTaskRunner(address=scheduler_address)

@@ -15,7 +15,7 @@ else:
     torch.set_num_threads(1)
 
 from facepipe.config import SampleDataParams
-from facepipe.data.sample import make_sample_dataset
+from facepipe.synthetic.photos import make_sample_dataset
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,7 @@ def _environment_restored():
 @pytest.fixture(scope="session")
 def sample_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small generated raw dataset in the LFW layout: 6 identities x 4 images, plus one bad file of
-    each kind in ``facepipe.data.sample.BAD_KINDS`` (seed 0). Treat it as read-only."""
+    each kind in ``facepipe.synthetic.photos.BAD_KINDS`` (seed 0). Treat it as read-only."""
     out = tmp_path_factory.mktemp("sample_raw") / "raw"
     make_sample_dataset(out, SampleDataParams(identities=6, images_per_identity=4, seed=0, bad_files=True))
     return out

@@ -14,7 +14,7 @@ import lmdb
 from facepipe.io.manifest import HASHED_FILES, dumps
 from facepipe.io.records import encode_run, run_records
 from facepipe.io.shards import ShardReader, sha256_file
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 
 KEY = struct.Struct(">Q")
 REJECTS = [

@@ -150,7 +150,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_stages_do_not_import_the_cli_or_parse_arguments():
-    """Imports point down (DESIGN.md, "Layers"): the command table in facepipe/cli.py owns parsing."""
+    """Imports point down (docs/architecture.md, "Layers"): the command table in facepipe/cli.py owns parsing."""
     for path in sorted((ROOT / "facepipe" / "stages").glob("*.py")):
         names = _imports(path)
         assert "facepipe.cli" not in names, f"{path.name} imports facepipe.cli"

@@ -125,7 +125,7 @@ def test_stage_deps_cover_the_code_its_command_imports(stage: str) -> None:
 def test_the_walker_finds_what_it_must() -> None:
     """The closure of the export stage holds what its imports name, directly and through a package."""
     closure = import_closure("facepipe.stages.export")
-    assert {"facepipe/exporting.py", "facepipe/io/model_dir.py", "facepipe/io/atomic.py"} <= closure
+    assert {"facepipe/model_export.py", "facepipe/io/model_dir.py", "facepipe/io/atomic.py"} <= closure
     assert "facepipe/io/__init__.py" in closure  # executed by any `from facepipe.io.x import …`
     assert "facepipe/stages/train.py" not in closure  # the dispatcher is not followed
     assert entry_module("torchrun --standalone --nproc-per-node 2 -m facepipe train a b") == "facepipe.stages.train"

@@ -20,7 +20,7 @@ from facepipe.io.manifest import build_manifest, write_metadata
 from facepipe.io.model_dir import ModelSpec, Normalization, save_model_dir, write_model_spec
 from facepipe.io.records import encode_image, encode_record
 from facepipe.io.shards import ShardSet, ShardWriter, sha256_file
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.models import create_backbone
 from facepipe.models.backbone import Backbone
 from facepipe.models.registry import BACKBONES

@@ -12,7 +12,8 @@ import onnx
 import pytest
 import torch
 
-from facepipe import cli, exporting
+from facepipe import cli
+from facepipe import model_export
 from facepipe.config import ExportParams
 from facepipe.io.model_dir import ModelSpec, Normalization, load_backbone, save_model_dir, write_model_spec
 from facepipe.models import create_backbone
@@ -47,7 +48,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     backbone.train()
     with torch.no_grad():
         for seed in range(4):
-            backbone(exporting.random_batch(16, SIZE, seed=100 + seed))
+            backbone(model_export.random_batch(16, SIZE, seed=100 + seed))
     backbone.eval()
     out = tmp_path_factory.mktemp("export") / "model"
     save_model_dir(out, backbone, spec)
@@ -83,7 +84,7 @@ def test_export_writes_checked_files(exported: tuple[Path, dict], model_dir: Pat
     limits = {"onnx": (5e-5, 1e-5), "torchscript": (1e-6, 1e-6)}
     for fmt, entry in report["files"].items():
         assert entry["max_abs_diff"] <= limits[fmt][0] and entry["max_embedding_diff"] <= limits[fmt][1], fmt
-        assert entry["sha256"] == hashlib.sha256((out / exporting.FILE_NAMES[fmt]).read_bytes()).hexdigest()
+        assert entry["sha256"] == hashlib.sha256((out / model_export.FILE_NAMES[fmt]).read_bytes()).hexdigest()
     # each file is what its name says: an ONNX graph (not TorchScript under the ONNX name), a TorchScript zip
     onnx.checker.check_model(onnx.load(str(out / "backbone.onnx")))
     with warnings.catch_warnings():
@@ -99,8 +100,8 @@ def test_the_fixture_output_depends_strongly_on_its_input(model_dir: Path) -> No
     """What makes the checks below mean something: other inputs, other directions."""
     model, _ = load_backbone(model_dir)
     with torch.no_grad():
-        a = model(exporting.random_batch(4, SIZE, seed=1)).numpy()
-        b = model(exporting.random_batch(4, SIZE, seed=2)).numpy()
+        a = model(model_export.random_batch(4, SIZE, seed=1)).numpy()
+        b = model(model_export.random_batch(4, SIZE, seed=2)).numpy()
         zeros = model(torch.zeros(4, 3, SIZE, SIZE)).numpy()
     assert np.linalg.norm(a, axis=1).min() > 0.5
     assert np.sum(unit(a) * unit(b), axis=1).max() < 0.5
@@ -113,9 +114,9 @@ def test_exported_file_gives_pytorchs_embeddings_and_different_inputs_differ(
 ) -> None:
     out, _ = exported
     model, _ = load_backbone(model_dir)
-    run = exporting.run_onnx if fmt == "onnx" else exporting.run_torchscript
-    path = out / exporting.FILE_NAMES[fmt]
-    first, second = exporting.random_batch(4, SIZE, seed=7), exporting.random_batch(4, SIZE, seed=8)
+    run = model_export.run_onnx if fmt == "onnx" else model_export.run_torchscript
+    path = out / model_export.FILE_NAMES[fmt]
+    first, second = model_export.random_batch(4, SIZE, seed=7), model_export.random_batch(4, SIZE, seed=8)
     with torch.no_grad():
         reference = unit(model(torch.cat([first, second])).numpy().astype(np.float64))
     embeddings = unit(np.concatenate([run(path, first), run(path, second)]).astype(np.float64))
@@ -129,22 +130,22 @@ def test_compare_checks_normalised_embeddings_not_only_raw_outputs() -> None:
     """Tiny raw outputs pass any raw tolerance even when they point the other way; the embeddings do not."""
     reference = np.array([[1e-5, 0.0], [0.0, 2e-5]])
     flipped = -reference
-    check = exporting.compare(flipped, reference, atol=1e-4, rtol=1e-3)
+    check = model_export.compare(flipped, reference, atol=1e-4, rtol=1e-3)
     assert check.max_abs_diff == pytest.approx(4e-5) and check.max_embedding_diff == pytest.approx(2.0)
     assert not check.passed
-    assert exporting.compare(reference * (1 + 1e-7), reference, atol=1e-4, rtol=1e-3).passed
-    assert not exporting.compare(reference[:1], reference, atol=1, rtol=1).passed
-    assert not exporting.compare(np.full_like(reference, np.nan), reference, atol=1, rtol=1).passed
+    assert model_export.compare(reference * (1 + 1e-7), reference, atol=1e-4, rtol=1e-3).passed
+    assert not model_export.compare(reference[:1], reference, atol=1, rtol=1).passed
+    assert not model_export.compare(np.full_like(reference, np.nan), reference, atol=1, rtol=1).passed
 
 
 def test_exported_files_match_pytorch_on_another_batch_size(exported: tuple[Path, dict], model_dir: Path) -> None:
     out, _ = exported
     model, _ = load_backbone(model_dir)
-    batch = exporting.random_batch(5, SIZE, seed=123)
+    batch = model_export.random_batch(5, SIZE, seed=123)
     with torch.no_grad():
         reference = model(batch).numpy()
-    onnx_out = exporting.run_onnx(out / "backbone.onnx", batch)
-    torchscript_out = exporting.run_torchscript(out / "backbone.torchscript.pt", batch)
+    onnx_out = model_export.run_onnx(out / "backbone.onnx", batch)
+    torchscript_out = model_export.run_torchscript(out / "backbone.torchscript.pt", batch)
     # Outputs reach ~3 in float32 (eps 1.2e-7) through ~50 layers: onnxruntime's kernels differ by
     # ~7e-6 (measured), so 5e-5 is 7x headroom; TorchScript runs PyTorch's own kernels (measured 0).
     for outputs, atol in ((onnx_out, 5e-5), (torchscript_out, 1e-6)):
@@ -158,8 +159,8 @@ def test_exported_files_match_pytorch_on_another_batch_size(exported: tuple[Path
 def test_export_fails_above_tolerance_and_writes_nothing(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real = exporting.run_torchscript
-    monkeypatch.setattr(exporting, "run_torchscript", lambda path, batch: real(path, batch) + 0.01)
+    real = model_export.run_torchscript
+    monkeypatch.setattr(model_export, "run_torchscript", lambda path, batch: real(path, batch) + 0.01)
     params = tmp_path / "params.yaml"
     params.write_text("export:\n  formats: [torchscript]\n")
     assert cli.main(["export", str(model_dir), str(tmp_path / "out"), "--params", str(params)]) == 2

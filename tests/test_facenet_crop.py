@@ -18,6 +18,7 @@ from facepipe.config import PrepareParams
 from facepipe.io import ShardSet
 from facepipe.io.manifest import shard_set_crop
 from facepipe.io.records import encode_image
+from facepipe.shardset import manifest_params
 from facepipe.stages import prepare
 from rawdata import in_process
 
@@ -107,8 +108,8 @@ def test_prepare_crop_facenet_gives_facenet_pytorchs_faces(sample_raw: Path, fac
 
 def test_an_arcface_set_keeps_its_manifest_without_crop_keys() -> None:
     """Sets prepared before the choice existed stay byte-identical: arcface records no crop or margin."""
-    assert "crop" not in prepare._manifest_params(PrepareParams())
-    assert "margin" not in prepare._manifest_params(PrepareParams())
+    assert "crop" not in manifest_params(PrepareParams())
+    assert "margin" not in manifest_params(PrepareParams())
     assert shard_set_crop({"params": {}}) == "arcface" and shard_set_crop({}) == "arcface"
 
 

@@ -270,19 +270,19 @@ def test_one_device_rule_for_every_stage() -> None:
 
 
 def test_prepare_workers_spread_over_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    import facepipe.parallel as parallel
+    import facepipe.cluster as cluster
     from facepipe.devices import worker_gpus
 
-    monkeypatch.setattr(parallel, "available_cores", lambda: 96)
-    assert parallel.default_workers() == 96  # CPU detection: one per core
-    assert parallel.default_workers(gpus=8) == 16  # not 96 CUDA contexts on GPU 0
-    monkeypatch.setattr(parallel, "available_cores", lambda: 4)
-    assert parallel.default_workers(gpus=8) == 4
+    monkeypatch.setattr(cluster, "available_cores", lambda: 96)
+    assert cluster.default_workers() == 96  # CPU detection: one per core
+    assert cluster.default_workers(gpus=8) == 16  # not 96 CUDA contexts on GPU 0
+    monkeypatch.setattr(cluster, "available_cores", lambda: 4)
+    assert cluster.default_workers(gpus=8) == 4
     assert worker_gpus(5, device_count=2, visible="") == ["0", "1", "0", "1", "0"]
     assert worker_gpus(3, device_count=2, visible="4,7") == ["4", "7", "4"]  # this process's own GPU list
     assert worker_gpus(3, device_count=0) == []
-    assert parallel.detection_gpus("auto", device_count=4) == parallel.detection_gpus("cuda", device_count=4) == 4
-    assert parallel.detection_gpus("cpu", device_count=4) == parallel.detection_gpus("cuda:1", device_count=4) == 0
+    assert cluster.detection_gpus("auto", device_count=4) == cluster.detection_gpus("cuda", device_count=4) == 4
+    assert cluster.detection_gpus("cpu", device_count=4) == cluster.detection_gpus("cuda:1", device_count=4) == 0
 
 
 @contextlib.contextmanager
@@ -301,7 +301,7 @@ def test_local_dask_workers_each_see_one_gpu(monkeypatch: pytest.MonkeyPatch, pa
     it: worker i starts with CUDA_VISIBLE_DEVICES = i mod 2; with device cpu no worker is restricted."""
     import os
 
-    from facepipe.parallel import dask_client
+    from facepipe.cluster import dask_client
 
     start = dask_client if path == "cli" else _flow_cluster_client
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -317,17 +317,17 @@ def test_local_dask_workers_each_see_one_gpu(monkeypatch: pytest.MonkeyPatch, pa
 
 
 def test_loader_workers_follow_the_cores_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    import facepipe.parallel as parallel
+    import facepipe.training.loader as loader
 
-    monkeypatch.setattr(parallel, "available_cores", lambda: 2)
-    assert parallel.loader_workers("auto", device_type="cpu", local_processes=1) == 1  # the demo
-    assert parallel.loader_workers(3, device_type="cpu", local_processes=1) == 3  # a number is kept
-    monkeypatch.setattr(parallel, "available_cores", lambda: 96)
-    assert parallel.loader_workers("auto", device_type="cuda", local_processes=8) == 8  # 12 cores each, capped
-    monkeypatch.setattr(parallel, "available_cores", lambda: 32)
-    assert parallel.loader_workers("auto", device_type="cuda", local_processes=8) == 3  # 4 cores each, one drives
+    monkeypatch.setattr(loader, "available_cores", lambda: 2)
+    assert loader.loader_workers("auto", device_type="cpu", local_processes=1) == 1  # the demo
+    assert loader.loader_workers(3, device_type="cpu", local_processes=1) == 3  # a number is kept
+    monkeypatch.setattr(loader, "available_cores", lambda: 96)
+    assert loader.loader_workers("auto", device_type="cuda", local_processes=8) == 8  # 12 cores each, capped
+    monkeypatch.setattr(loader, "available_cores", lambda: 32)
+    assert loader.loader_workers("auto", device_type="cuda", local_processes=8) == 3  # 4 cores each, one drives
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's
-    assert parallel.loader_workers("auto", device_type="cpu") == 4
+    assert loader.loader_workers("auto", device_type="cpu") == 4
 
 
 def test_metric_points_are_sparse_on_long_runs_and_every_step_on_the_demo() -> None:

@@ -1,6 +1,6 @@
 """facepipe import (insightface RecordIO packs, folders of aligned faces) and facepipe export-rec.
 
-Packs are written here with facepipe.io.recordio in insightface's layout (MXNet's pack/unpack and
+Packs are written here with facepipe.io.insightface_rec in insightface's layout (MXNet's pack/unpack and
 dmlc's framing, checked byte by byte in test_recordio.py), and read back the way arcface_torch's
 MXFaceDataset reads them (:func:`arcface_read`).
 """
@@ -23,7 +23,7 @@ from facepipe.data.dataset import FaceDataset
 from facepipe.detection import create_detector
 from facepipe.detection.prealigned import aligned_landmarks
 from facepipe.io import ShardSet
-from facepipe.io.recordio import MAGIC, IRHeader, RecordIOWriter, pack, read_index, read_record, unpack
+from facepipe.io.insightface_rec import MAGIC, IRHeader, RecordIOWriter, pack, read_index, read_record, unpack
 from facepipe.stages import export_rec, import_rec
 from facepipe.stages.inspect import verify
 
@@ -306,17 +306,10 @@ def test_missing_and_stray_keys_are_rejects_and_a_pack_without_idx_is_scanned(tm
 @pytest.fixture
 def cluster_free(monkeypatch):
     """prepare's Dask runner replaced by the chunk worker in this process (a real prepare, no cluster)."""
-    from contextlib import contextmanager
-
-    from rawdata import in_process
-
     from facepipe.stages import prepare
 
-    @contextmanager
-    def submitter(raw, params, **_):
-        yield in_process(raw, params), 1
-
-    monkeypatch.setattr(prepare, "dask_submitter", submitter)
+    runner = prepare.chunk_runner
+    monkeypatch.setattr(prepare, "chunk_runner", lambda *args, **options: runner(*args, **{**options, "here": True}))
 
 
 def test_an_aligned_folder_import_that_accepts_nothing_exits_2_and_writes_nothing(tmp_path, capsys, cluster_free):

@@ -27,8 +27,8 @@ from test_import import arcface_read, crop, records, rejects
 
 from facepipe.cli import main
 from facepipe.config import PrepareParams
-from facepipe.io import recordio
-from facepipe.io.recordio import FLOAT32_EXACT, MAGIC, IRHeader, RecordIOError, RecordIOWriter, frame, pack, read_index, read_property, scan_offsets
+from facepipe.io import insightface_rec
+from facepipe.io.insightface_rec import FLOAT32_EXACT, MAGIC, IRHeader, RecordIOError, RecordIOWriter, frame, pack, read_index, read_property, scan_offsets
 from facepipe.stages import import_rec
 from facepipe.stages.inspect import verify
 
@@ -373,7 +373,7 @@ def test_the_scan_reads_in_bounded_blocks(tmp_path):
             return self.handle.read(size)
 
     with open(path, "rb") as handle:
-        assert recordio._next_record_start(Counting(handle), 4, path.stat().st_size) == 3 << 20
+        assert insightface_rec._next_record_start(Counting(handle), 4, path.stat().st_size) == 3 << 20
     assert sizes == [(1 << 20) + 4] * 3
 
 

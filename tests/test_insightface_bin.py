@@ -20,7 +20,7 @@ from facepipe.errors import ForeignFileError
 from facepipe.io.insightface_bin import read_bin_set
 from facepipe.io.model_dir import ModelSpec, save_model_dir
 from facepipe.io.shards import ShardSet
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.models import create_backbone
 from facepipe.stages import evaluate, split
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from google.protobuf.message import DecodeError
 
-from facepipe.exporting import (
+from facepipe.model_export import (
     FILE_NAMES,
     INPUT_NAME,
     OUTPUT_NAME,

@@ -145,14 +145,14 @@ def test_curricularface_logits_stay_float32_for_float32_embeddings_in_a_float64_
 
 
 def test_sample_count_closed_forms() -> None:
-    from facepipe.heads.sampling import sample_count
+    from facepipe.heads.partial_fc import sample_count
 
     assert [sample_count(10, r) for r in (0.25, 0.3, 1.0, 0.01)] == [3, 3, 10, 1]  # ceil(2.5), ceil(3.0)
     assert sample_count(7, 0.999) == 7  # ceil(6.993) = 7, never more than the rank holds
 
 
 def test_sample_classes_keeps_positives_remaps_labels_and_draws_the_rest_uniformly() -> None:
-    from facepipe.heads.sampling import sample_classes
+    from facepipe.heads.partial_fc import sample_classes
 
     local = torch.tensor([2, -1, 5, 2])
     chosen = torch.zeros(10, dtype=torch.long)
@@ -252,7 +252,7 @@ def test_curricularface_deferred_mode_applies_the_whole_steps_mean_at_end_step()
 
 def test_head_seed_and_sample_rate_defaults_and_limits(one_rank_group: None) -> None:
     from facepipe.heads.centres import init_centres
-    from facepipe.heads.sampling import sample_classes
+    from facepipe.heads.partial_fc import sample_classes
 
     # default seed 0, rows from class 0 on
     expected = init_centres(0, 6, embedding_size=3, seed=0)

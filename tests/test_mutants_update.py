@@ -1,4 +1,4 @@
-"""stages/update.py and stages/compact.py function by function, fast and exact (their mutation tests:
+"""shardset/update.py and stages/compact.py function by function, fast and exact (their mutation tests:
 every refusal matched whole, every field check at its boundary). Sets are real prepares of a few
 112x112 crops with ``detector: none`` (about a second each)."""
 
@@ -19,19 +19,18 @@ from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
 from facepipe.io.manifest import SOURCES_KEY, SourcesDigest
 from facepipe.io.shards import ShardInfo
-from facepipe.stages import compact, update
-from facepipe.stages.update import (
-    NEW_SHARDS,
+from facepipe.shardset import update
+from facepipe.shardset.builder import NEW_SHARDS, link_shards, place_new_shards
+from facepipe.shardset.update import (
     NotGrowable,
     SourceEntry,
     SourcesError,
     file_stats,
     has_set,
-    link_shards,
-    place_new_shards,
     read_sources,
     source_entries,
 )
+from facepipe.stages import compact
 
 SHA = "ab" * 32
 LINE = {"path": "id0/a.jpg", "sha256": SHA, "reason": None, "sample": 0, "generation": 0, "size": 10, "mtime_ns": 5}
@@ -347,8 +346,8 @@ def test_compact_checks_each_line_against_the_records_and_rejects(tmp_path):
 
 def test_walk_feeds_every_file_in_scan_order_and_refuses_extra_outcomes(tmp_path):
     from facepipe.data.scan import scan_raw
+    from facepipe.shardset import SetBuilder
     from facepipe.stages import prepare
-    from facepipe.stages.prepare import SetBuilder
 
     raw, out = tmp_path / "raw", tmp_path / "out"
     write(raw, V1)
@@ -359,7 +358,7 @@ def test_walk_feeds_every_file_in_scan_order_and_refuses_extra_outcomes(tmp_path
     outcomes = prepare.process_chunks([[item.path for item in plan.todo]], str(raw), PARAMS, "cpu")[0]
     (tmp_path / "tmp" / "shards").mkdir(parents=True)  # link_shards into a folder that has its shards/ already
     link_shards(plan.base, tmp_path / "tmp")
-    builder = SetBuilder(tmp_path / "tmp", PARAMS, base=prepare._base(plan))
+    builder = SetBuilder(tmp_path / "tmp", PARAMS, base=update.base_generation(plan))
     try:
         assert list(plan.walk(builder, items, iter(outcomes))) == [1]
         assert builder.accepted == 9 and builder.written == 1 and sorted(builder.kept) == [0, 2, 3, 4, 5, 6, 7, 8]

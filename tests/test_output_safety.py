@@ -26,7 +26,7 @@ from facepipe.models import create_backbone
 from facepipe.stages import split
 from facepipe.stages.evaluate import EVALUATE_OUTPUT
 from facepipe.stages.export import EXPORT_OUTPUT
-from facepipe.stages.prepare import SHARD_SET
+from facepipe.shardset import SHARD_SET
 from facepipe.stages.train import run as train
 from facepipe.training.checkpoint import list_checkpoints, load_checkpoint, remove_checkpoints
 

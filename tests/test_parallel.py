@@ -8,7 +8,7 @@ import os
 import psutil
 import pytest
 
-from facepipe.parallel import dask_client
+from facepipe.cluster import dask_client
 
 pytestmark = pytest.mark.multiprocess
 

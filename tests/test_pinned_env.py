@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from facepipe.config import load_section
-from facepipe.data.sample import make_sample_dataset
+from facepipe.synthetic.photos import make_sample_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)\s*$")
@@ -64,7 +64,7 @@ def test_constraints_pin_every_installed_library_of_the_lock():
 
 
 def test_sample_data_imports_only_pinned_libraries():
-    """Every distribution whose code `facepipe.data.sample` loads (numpy, Pillow, OpenCV, ...) is pinned,
+    """Every distribution whose code `facepipe.synthetic.photos` loads (numpy, Pillow, OpenCV, ...) is pinned,
     as are the packages whose data files it reads (matplotlib's and scikit-image's sample photos)."""
     def top_level_modules(statement: str) -> set[str]:
         code = f"import sys, json\n{statement}\nprint(json.dumps(sorted({{n.split('.')[0] for n in sys.modules}})))"
@@ -72,7 +72,7 @@ def test_sample_data_imports_only_pinned_libraries():
         return set(json.loads(run.stdout))
 
     # less what a bare interpreter has loaded (site hooks such as setuptools' _distutils_hack)
-    modules = top_level_modules("import facepipe.data.sample") - top_level_modules("pass")
+    modules = top_level_modules("import facepipe.synthetic.photos") - top_level_modules("pass")
     owners = metadata.packages_distributions()
     used = {canonical(dist) for module in modules for dist in owners.get(module, [])} - {"facepipe"}
     used |= {"matplotlib", "scikit-image"}

@@ -276,7 +276,7 @@ def test_local_workers_start_with_glibc_malloc_defaults():
     """Dask's nanny would export MALLOC_TRIM_THRESHOLD_ (detection ~35 % slower); facepipe's workers
     start without it, and with the detector loaded before the first chunk."""
     from facepipe.data.extract import get_detector, warm_up
-    from facepipe.parallel import dask_client
+    from facepipe.cluster import dask_client
 
     with dask_client(workers=1) as client:
         environ = client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_", "unset"))

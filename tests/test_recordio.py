@@ -1,4 +1,4 @@
-"""The RecordIO format (facepipe.io.recordio) against hand-built bytes: framing, continuation, IRHeader."""
+"""The RecordIO format (facepipe.io.insightface_rec) against hand-built bytes: framing, continuation, IRHeader."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from facepipe.io.recordio import (
+from facepipe.io.insightface_rec import (
     MAGIC,
     IRHeader,
     RecordIOError,

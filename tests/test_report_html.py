@@ -24,7 +24,7 @@ from PIL import Image
 
 from facepipe.cli import main
 from facepipe.config import PrepareParams
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.quality import REPORT_FILE, Limits, collect, write_report
 from facepipe.stages import prepare
 from rawdata import TEST_PARAMS, in_process, make_faces_raw

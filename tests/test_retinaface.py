@@ -320,7 +320,7 @@ def test_eyes_as_close_to_the_true_landmarks_as_mtcnn(tmp_path):
     to the truth as MTCNN's, to within 3% of the true eye distance at the median (measured on 160
     photos: RetinaFace 8.8%, MTCNN 8.5%; here ~8.7% and ~7.1%)."""
     from facepipe.data import extract
-    from facepipe.data.sample import make_sample_dataset
+    from facepipe.synthetic.photos import make_sample_dataset
 
     report = make_sample_dataset(tmp_path / "raw", SampleDataParams(identities=6, images_per_identity=4, seed=0, bad_files=False))
     params = PrepareParams()
@@ -439,7 +439,7 @@ def test_one_and_two_workers_give_byte_identical_sets(retina_prepared, tmp_path)
 
 def test_weights_given_by_path_are_recorded_by_name_and_hash(tmp_path, retinaface_onnx):
     """manifest.json holds no paths: detector_weights becomes the file's name and sha256."""
-    from facepipe.stages.prepare import _manifest_params
+    from facepipe.shardset import manifest_params as _manifest_params
 
     path = tmp_path / "models" / "retinaface.onnx"
     path.parent.mkdir()

@@ -12,10 +12,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from facepipe.cli import main
 from facepipe.config import ParamsError, SampleDataParams, parse_section
-from facepipe.data import sample
 from facepipe.data.decode import load_image
-from facepipe.data.sample import BAD_KINDS, SPECIAL_KINDS, SampleReport, make_sample_dataset
 from facepipe.errors import FacepipeError
+from facepipe.synthetic import photos
+from facepipe.synthetic.photos import BAD_KINDS, SPECIAL_KINDS, SampleReport, make_sample_dataset
 
 SMALL = SampleDataParams(identities=4, images_per_identity=3, seed=0)
 
@@ -80,9 +80,9 @@ def test_other_seed_differs(small: SampleReport, tmp_path: Path) -> None:
 
 def test_an_identity_is_a_function_of_its_index_and_seed_alone() -> None:
     """make_identity takes no dataset size, so the same index and seed give the same face in any dataset."""
-    a, b = sample.make_identity(3, seed=5), sample.make_identity(3, seed=5)
+    a, b = photos.make_identity(3, seed=5), photos.make_identity(3, seed=5)
     assert a.name == "astronaut_003" and np.array_equal(a.rgba, b.rgba)
-    assert not np.array_equal(a.rgba, sample.make_identity(3, seed=6).rgba)
+    assert not np.array_equal(a.rgba, photos.make_identity(3, seed=6).rgba)
 
 
 def test_formats_and_modes_vary(small: SampleReport) -> None:
@@ -173,7 +173,7 @@ def test_failure_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.Monke
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(sample, "encode", boom)
+    monkeypatch.setattr(photos, "encode", boom)
     with pytest.raises(RuntimeError):
         make_sample_dataset(tmp_path / "raw", SMALL)
     assert list(tmp_path.iterdir()) == []

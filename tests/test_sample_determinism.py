@@ -22,7 +22,7 @@ _GENERATE = """
 import hashlib, json, sys, tempfile
 from pathlib import Path
 from facepipe.config import SampleDataParams
-from facepipe.data.sample import make_sample_dataset
+from facepipe.synthetic.photos import make_sample_dataset
 with tempfile.TemporaryDirectory() as d:
     out = Path(d) / "raw"
     make_sample_dataset(out, SampleDataParams(identities=4, images_per_identity=4, seed=0, bad_files=True))
@@ -109,7 +109,7 @@ def test_sample_data_bytes_do_not_depend_on_cpu_dispatch_or_core_count():
 def test_cpu_independent_turns_opencv_dispatch_off_and_restores_it():
     import cv2
 
-    from facepipe.data.sample import cpu_independent
+    from facepipe.synthetic.photos import cpu_independent
 
     before = cv2.useOptimized()
     with cpu_independent():
@@ -123,7 +123,7 @@ def test_cpu_independent_turns_opencv_dispatch_off_and_restores_it():
 def test_luma_is_the_601_weighted_sum_in_a_fixed_order():
     import numpy as np
 
-    from facepipe.data.sample import _luma
+    from facepipe.synthetic.photos import _luma
 
     rgb = np.random.default_rng(0).uniform(0, 255, (7, 5, 3)).astype(np.float32)
     r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]

@@ -6,7 +6,7 @@ import numpy as np
 
 from facepipe.data.dataset import FaceDataset
 from facepipe.io.manifest import check_shard_set
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 
 
 def test_a_pooled_synthetic_set_is_a_complete_set_with_repeating_payloads(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -18,7 +18,7 @@ from facepipe.data.dataset import FaceDataset
 from facepipe.io import ShardReader, ShardSet, ShardWriter, encode_record
 from facepipe.io.records import RecordError, decode_record, encode_image, encode_run, run_record, run_records
 from facepipe.io.shards import SHARD_VERSION, CorruptRecordError, ShardSetError
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.stages.inspect import summarize, verify
 
 KEY = struct.Struct(">Q")

@@ -18,7 +18,7 @@ from facepipe.stages import train
 from facepipe.io import ShardReader, ShardSet, ShardSetError, ShardWriter, decode_record, encode_record
 from facepipe.io.records import RecordError, decode_header, decode_image, encode_image, payload_offset
 from facepipe.io.shards import CorruptRecordError
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 
 
 def test_record_round_trip():

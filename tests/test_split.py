@@ -21,7 +21,7 @@ from facepipe.evaluation.pairs import (
     triangle_pairs,
 )
 from facepipe.io.shards import ShardSet
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.stages import split
 
 

@@ -13,7 +13,7 @@ from train_helpers import synthetic_set
 from facepipe.config import AugmentParams
 from facepipe.data.augment import Augmenter, normalize, to_tensor
 from facepipe.data.dataset import FaceDataset, make_loader
-from facepipe.data.sampler import ShardOrderSampler, augment_seeds, shuffled_stream
+from facepipe.data.batch_order import ShardOrderSampler, augment_seeds, shuffled_stream
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSetError
 from facepipe.io.shards import ShardReader

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from facepipe.data.sampler import ShardOrderSampler
+from facepipe.data.batch_order import ShardOrderSampler
 
 CLASSES, EMBEDDING, IMAGE, ITEMS, SHARD = 7, 8, 4, 72, 12  # 7 classes: shards of 4+3 and 3+2+2
 GLOBAL = 12  # samples per optimizer step at every size: 6 steps per epoch
@@ -193,7 +193,7 @@ def test_resumed_sampler_continues_the_stream_at_another_global_batch() -> None:
     (With another effective batch the step counter restarts at ``samples // new effective batch``,
     here 30 // 9 = 3, and the peak rate is rescaled: the curve is that run's, not the old one's.)
     """
-    from facepipe.data.sampler import shuffled_stream
+    from facepipe.data.batch_order import shuffled_stream
 
     shards = np.arange(ITEMS) // SHARD
     stream = shuffled_stream(shards, epoch=0, seed=5, buffer_size=8).tolist()

@@ -312,7 +312,7 @@ def test_sample_rate_below_one_needs_the_sharded_head() -> None:
 def test_partial_fc_draw_is_a_function_of_its_key() -> None:
     import torch
 
-    from facepipe.heads.sampling import sample_classes
+    from facepipe.heads.partial_fc import sample_classes
 
     none_here = torch.full((6,), -1, dtype=torch.long)
     draw = [sample_classes(none_here, num_local=1000, sample_rate=0.1, key=(3, step, 0, 0)) for step in (7, 7, 8)]

@@ -392,7 +392,7 @@ def test_update_auto_prepares_in_full_where_a_set_cannot_be_grown(tmp_path):
 def test_new_shards_never_replace_a_base_shard(tmp_path):
     """place_new_shards refuses a name the base already uses (a hard link of the published set) and moves nothing."""
     from facepipe.io.shards import ShardInfo
-    from facepipe.stages.update import NEW_SHARDS, place_new_shards
+    from facepipe.shardset.builder import NEW_SHARDS, place_new_shards
 
     (tmp_path / "shards").mkdir()
     (tmp_path / NEW_SHARDS).mkdir()

@@ -16,7 +16,7 @@ from torch import nn
 
 from facepipe.config import TrainParams
 from facepipe.heads import create_head
-from facepipe.io.synthetic import write_synthetic_shard_set
+from facepipe.synthetic.shards import write_synthetic_shard_set
 from facepipe.training.trainer import FaceModel
 
 ROOT = Path(__file__).resolve().parents[1]

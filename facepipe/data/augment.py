@@ -2,7 +2,7 @@
 
 Every call takes the sample's own seed, so what an image turns into depends only on that seed: not on
 the rank, the loader worker or how many samples that worker saw before. The sampler hands out the
-seeds (``facepipe.data.sampler``), which makes augmentation reproducible and a resumed run exact.
+seeds (``facepipe.data.batch_order``), which makes augmentation reproducible and a resumed run exact.
 """
 
 from __future__ import annotations

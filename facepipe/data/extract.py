@@ -24,7 +24,8 @@ from facepipe.alignment import align_face, facenet_crop, template, umeyama
 from facepipe.config import PrepareParams
 from facepipe.data.decode import Decoded, Reject, header_pixels, load_image_reduced, max_file_bytes
 from facepipe.data.scan import FileTooLarge, ScanItem, read_raw_file
-from facepipe.detection import Detector, Face, create_detector, select_face
+from facepipe.detection.base import Detector, Face, select_face
+from facepipe.detection.registry import create_detector
 from facepipe.io.records import encode_image
 
 #: Decoded pixels a worker holds at once (2 x 16 MP photos; 96 MB as uint8 RGB). Read at call time.
@@ -194,7 +195,7 @@ def _decode(path: str, sha: str, data: bytes, params: PrepareParams) -> Outcome 
     """One file's bytes decoded for detection, or its reject. The detector sees at most
     ``detect_size`` px on the longest side, so JPEGs at least twice that size are decoded at 1/2, 1/4
     or 1/8 scale, no smaller than ``detect_size`` (3-10x less decoding; :func:`_alignment_source`)."""
-    longest = None if params.detector == "none" else params.detect_size
+    longest = params.detect_size if params.needs_alignment else None
     try:
         decoded = load_image_reduced(data, max_pixels=params.max_pixels, longest=longest)
         width, height = decoded.size

@@ -1,13 +1,74 @@
-"""Detectors by name (``prepare.detector``): one constructor call for the prepare workers and the tools."""
+"""Detectors by name (``prepare.detector``), through the one :class:`~facepipe.registry.Registry`
+mechanism: one constructor call for the prepare workers and the tools, and what each detector is
+(:class:`DetectorKind`) known without building it, so callers ask ``needs_alignment`` instead of
+comparing names. The names a params file may use are ``facepipe.config.DetectorName``;
+tests/test_structure.py checks that they are the registered names."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any, Protocol
 
-from facepipe.detection.base import Detector
+from facepipe.registry import Registry
 
-#: Names that ``prepare.detector`` accepts.
-DETECTORS = ("mtcnn", "retinaface", "none", "facenet_pytorch")
+#: A built detector (:class:`facepipe.detection.base.Detector`), not imported here: the registry
+#: and config, which asks it for traits, carry no detector code.
+Detector = Any
+
+
+class DetectorBuilder(Protocol):
+    """What ``@register_detector`` decorates: builds a detector (all arguments keyword-only)."""
+
+    def __call__(
+        self, *, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str
+    ) -> Detector: ...
+
+
+@dataclass(frozen=True)
+class DetectorKind:
+    """A registered detector: its builder and its traits. ``needs_alignment``: False for inputs that
+    are aligned crops already (``none``: no network, decoded at full size, crops that are not
+    ``image_size`` squares resized, no box to crop by); ``takes_weights``: ``prepare.detector_weights``
+    (a checkpoint by path) is for it."""
+
+    name: str
+    build: DetectorBuilder
+    needs_alignment: bool = True
+    takes_weights: bool = False
+
+
+DETECTORS: Registry[DetectorKind] = Registry("detector")
+
+
+def register_detector(
+    name: str, *, needs_alignment: bool = True, takes_weights: bool = False
+) -> Callable[[DetectorBuilder], DetectorBuilder]:
+    """Decorator: make ``create_detector(name, ...)`` call the decorated builder, with these traits."""
+
+    def add(build: DetectorBuilder) -> DetectorBuilder:
+        DETECTORS.register(name)(DetectorKind(name, build, needs_alignment=needs_alignment, takes_weights=takes_weights))
+        return build
+
+    return add
+
+
+def list_detectors() -> list[str]:
+    """Names accepted by ``create_detector``, sorted."""
+    return DETECTORS.names()
+
+
+def detector_kind(name: str) -> DetectorKind:
+    """The registered detector ``name``; an unknown name raises ``ValueError`` naming the known ones."""
+    return DETECTORS.get(name)
+
+
+def aligned_detector() -> str:
+    """The name of the detector for inputs that are aligned crops already (what the imports use)."""
+    (name,) = [name for name in list_detectors() if not detector_kind(name).needs_alignment]
+    return name
 
 
 def create_detector(
@@ -21,28 +82,39 @@ def create_detector(
     """The detector ``name`` with its weights (MTCNN, facepipe's cascade or facenet-pytorch's own: its weights, shipped; RetinaFace: ``weights``
     or the cached MobileNet-0.25 of ``facepipe weights fetch retinaface``; ``none``: pre-aligned crops,
     no network)."""
-    if name == "mtcnn":
-        if weights is not None:
-            raise ValueError("mtcnn uses the weights shipped with facenet-pytorch; weights are for retinaface")
-        from facepipe.detection.mtcnn import MTCNNDetector
+    return detector_kind(name).build(weights=weights, min_face_size=min_face_size, detect_size=detect_size, device=device)
 
-        return MTCNNDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
-    if name == "facenet_pytorch":
-        if weights is not None:
-            raise ValueError("facenet_pytorch uses the weights shipped with facenet-pytorch; weights are for retinaface")
-        from facepipe.detection.facenet_mtcnn import FacenetPytorchDetector
 
-        return FacenetPytorchDetector(min_face_size=min_face_size, detect_size=detect_size, device=device)
-    if name == "retinaface":
-        from facepipe.detection.retinaface import RetinaFaceDetector
+def _load(module: str, name: str) -> Any:
+    """A detector class of this package, imported when a detector is built (by name, so that the
+    registry, and ``facepipe.config`` that asks it for traits, carry no detector code nor torch: only
+    the stages that detect have the detectors among their DVC deps)."""
+    return getattr(import_module(f"facepipe.detection.{module}"), name)
 
-        # Faces below min_face_size are gated by the caller, so the network need not see them larger
-        # than MIN_FACE_INPUT px: a smaller input, same landmark accuracy (retinaface.MIN_FACE_INPUT).
-        return RetinaFaceDetector(weights=weights, detect_size=detect_size, min_face_size=min_face_size, device=device)
-    if name == "none":
-        if weights is not None:
-            raise ValueError("detector none runs no network; weights are for retinaface")
-        from facepipe.detection.prealigned import PrealignedDetector
 
-        return PrealignedDetector()  # the images are aligned crops already
-    raise ValueError(f"unknown detector {name!r}; known: {', '.join(DETECTORS)}")
+@register_detector("mtcnn")
+def _mtcnn(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+    if weights is not None:
+        raise ValueError("mtcnn uses the weights shipped with facenet-pytorch; weights are for retinaface")
+    return _load("mtcnn", "MTCNNDetector")(min_face_size=min_face_size, detect_size=detect_size, device=device)
+
+
+@register_detector("facenet_pytorch")
+def _facenet_pytorch(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+    if weights is not None:
+        raise ValueError("facenet_pytorch uses the weights shipped with facenet-pytorch; weights are for retinaface")
+    return _load("facenet_mtcnn", "FacenetPytorchDetector")(min_face_size=min_face_size, detect_size=detect_size, device=device)
+
+
+@register_detector("retinaface", takes_weights=True)
+def _retinaface(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+    # Faces below min_face_size are gated by the caller, so the network need not see them larger
+    # than MIN_FACE_INPUT px: a smaller input, same landmark accuracy (retinaface.MIN_FACE_INPUT).
+    return _load("retinaface", "RetinaFaceDetector")(weights=weights, detect_size=detect_size, min_face_size=min_face_size, device=device)
+
+
+@register_detector("none", needs_alignment=False)
+def _none(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+    if weights is not None:
+        raise ValueError("detector none runs no network; weights are for retinaface")
+    return _load("prealigned", "PrealignedDetector")()  # the images are aligned crops already

@@ -14,7 +14,6 @@ what to run (or which file to place by hand) when the weights are missing.
 from __future__ import annotations
 
 import ast
-import hashlib
 import os
 import shutil
 import subprocess
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from facepipe.errors import FacepipeError
+from facepipe.io.shards import sha256_file
 
 CACHE_ENV = "FACEPIPE_CACHE"
 
@@ -74,16 +74,8 @@ def _spec(name: str) -> WheelWeights:
     return KNOWN[name]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _check_hash(path: Path, spec: WheelWeights) -> None:
-    actual = _sha256(path)
+    actual = sha256_file(path)
     if actual != spec.sha256:
         raise FacepipeError(
             f"{path} has sha256 {actual}, expected {spec.sha256} ({spec.requirement}); refusing it"
@@ -186,7 +178,7 @@ def check_model(data: bytes, spec: WheelWeights, *, source: Path) -> None:
 def weights_record(path: str | os.PathLike[str]) -> dict[str, str]:
     """What a manifest records of a weights file given by path: its name and sha256, never the path
     (a manifest holds no absolute paths, and the same weights anywhere give the same manifest)."""
-    return {"file": Path(path).name, "sha256": _sha256(Path(path))}
+    return {"file": Path(path).name, "sha256": sha256_file(Path(path))}
 
 
 def load_onnx_bytes(name: str = "retinaface", *, cache: str | os.PathLike[str] | None = None) -> bytes:

@@ -1,4 +1,4 @@
-"""Margin heads: embeddings and labels -> margin-adjusted, scaled logits (DESIGN.md, "train").
+"""Margin heads: embeddings and labels -> margin-adjusted, scaled logits (docs/architecture.md, "Rooms").
 
 ``softmax`` (facenet-pytorch's classifier: linear with bias, no margin) is registered beside the margins.
 ``create_head(name, ...)`` builds a dense head (``loss = F.cross_entropy(logits, labels)``);

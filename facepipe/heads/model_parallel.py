@@ -5,7 +5,7 @@ Each rank holds the centres of a contiguous class range, sees the embeddings of 
 across ranks from an all-reduced max, sum of exponentials and target logit. Memory for the
 centres and the logits falls by the number of ranks, which is what makes millions of identities
 trainable. At ``sample_rate`` < 1 each forward uses only a sample of each rank's centres (every
-positive of the global batch and random others, ``facepipe.heads.sampling``): the logits, their
+positive of the global batch and random others, ``facepipe.heads.partial_fc``): the logits, their
 softmax and the centres' gradient shrink by the rate. Unsampled centres get a zero gradient in that
 step; the optimizer still applies momentum and weight decay to them (as insightface's Partial FC
 v2): with SGD they drift along their momentum and shrink by ``lr * weight_decay``.
@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from facepipe.heads.dense import HeadOutput, initial_rows
 from facepipe.heads.margins import Margin, affine_logits, compute_dtype, gather_targets, normalized_cosines
-from facepipe.heads.sampling import sample_classes
+from facepipe.heads.partial_fc import sample_classes
 
 
 def class_shard(num_classes: int, rank: int, world_size: int) -> tuple[int, int]:

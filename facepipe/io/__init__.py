@@ -1,4 +1,7 @@
-"""Shard-set I/O: the only code that touches shard files (DESIGN.md, "A prepared shard set")."""
+"""File formats: shard files and their set, records, metadata, packs (docs/architecture.md, "Rooms").
+
+With :mod:`facepipe.shardset` (which builds sets), the only code that names, links or renames shard
+files (docs/architecture.md, "A prepared shard set")."""
 
 from facepipe.io.records import Record, decode_record, encode_record
 from facepipe.io.shards import ShardReader, ShardSet, ShardWriter, ShardSetError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,24 @@ def write_metadata(
     written = {**manifest, "files": {name: sha256_file(root / name) for name in HASHED_FILES}}
     (root / "manifest.json").write_text(dumps(written))
     return written
+
+
+def read_jsonl(path: str | Path, *, lenient: bool = False) -> Iterator[Any]:
+    """The values of a JSONL file (rejects.jsonl, sources.jsonl), one line at a time: memory does not
+    grow with the file. Strict (what acts on the set: update, compact): blank lines are skipped and
+    a line that does not parse raises ValueError. ``lenient`` (what shows a set: verify, the report):
+    undecodable bytes are replaced and a line that does not parse, blank or not, gives None.
+    Raises OSError when the file cannot be read."""
+    with open(path, encoding="utf-8", errors="replace" if lenient else "strict") as handle:
+        for line in handle:
+            if not lenient:
+                if line.strip():
+                    yield json.loads(line)
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError:
+                yield None
 
 
 def reject_line(reject: Mapping[str, Any]) -> str:

@@ -76,11 +76,27 @@ def _older(version: object, current: int) -> str:
     return "; written by an older facepipe: re-run prepare" if isinstance(version, int) and version < current else ""
 
 
+#: Where a set keeps its shard files, and the names they have there (:func:`shard_name`).
+SHARDS_DIR = "shards"
+SHARD_PATTERN = "shard-*.lmdb"
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.lmdb"
 
 
+def shard_path(root: str | Path, file: str) -> Path:
+    """The shard file ``file`` (a manifest entry's name) of the set at ``root``."""
+    return Path(root) / SHARDS_DIR / file
+
+
+def shard_bytes(root: str | Path, manifest: dict[str, Any]) -> int:
+    """The bytes on disk of the shards ``manifest`` lists."""
+    return sum(shard_path(root, entry["file"]).stat().st_size for entry in manifest["shards"])
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """The hex sha256 of a file's bytes, read ``chunk`` bytes at a time (shards, weights files)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
@@ -422,7 +438,7 @@ class ShardSet:
         if not isinstance(self.identities, list) or not all(isinstance(n, str) for n in self.identities):
             raise ShardSetError(f"labels.json of {self.root} is not a JSON list of names")
         files, counts = self._shard_list()
-        self.readers = [ShardReader(self.root / "shards" / file) for file in files]
+        self.readers = [ShardReader(shard_path(self.root, file)) for file in files]
         #: [S + 1] first stored (physical) sample index of each shard, excluded samples included.
         self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         #: shard file -> sorted local indexes of its samples that a later generation removed

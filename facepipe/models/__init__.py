@@ -1,4 +1,4 @@
-"""Backbones: a registry of face-embedding networks (DESIGN.md, "train").
+"""Backbones: a registry of face-embedding networks (docs/architecture.md, "Rooms").
 
 ``create_backbone(name, ...)`` builds one; every backbone maps ``[B, 3, S, S]`` float images in
 [-1, 1] to ``[B, embedding_size]`` float embeddings (not normalized).

@@ -15,32 +15,9 @@ from facepipe.models.registry import register_backbone
 _GDC_CHANNELS = 512
 
 
-class ConvBlock(nn.Module):
-    """Conv (no bias), BN, PReLU; ``[B, in, H, W]`` -> ``[B, out, H', W']``."""
-
-    def __init__(
-        self,
-        in_channels: int,
-        out_channels: int,
-        *,
-        kernel: int = 1,
-        stride: int = 1,
-        padding: int = 0,
-        groups: int = 1,
-    ) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Conv2d(in_channels, out_channels, kernel, stride, padding, groups=groups, bias=False),
-            nn.BatchNorm2d(out_channels),
-            nn.PReLU(out_channels),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-
 class LinearBlock(nn.Module):
-    """Conv (no bias), BN, no activation: the linear bottleneck of MobileNetV2."""
+    """Conv (no bias), BN, no activation: the linear bottleneck of MobileNetV2;
+    ``[B, in, H, W]`` -> ``[B, out, H', W']``."""
 
     def __init__(
         self,
@@ -60,6 +37,14 @@ class LinearBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers(x)
+
+
+class ConvBlock(LinearBlock):
+    """Conv (no bias), BN, PReLU (``layers.2``, as arcface_torch names it)."""
+
+    def __init__(self, in_channels: int, out_channels: int, **conv: int) -> None:
+        super().__init__(in_channels, out_channels, **conv)
+        self.layers.append(nn.PReLU(out_channels))
 
 
 class DepthWise(nn.Module):

@@ -15,13 +15,13 @@ otherwise ``WeightsError`` names the counts and the first keys of each kind of m
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from facepipe.io.shards import sha256_file
 from facepipe.models.backbone import Backbone, WeightsError, describe_mismatch, read_state_dict
 
 log = logging.getLogger("facepipe.models")
@@ -64,14 +64,6 @@ def weights_file(path: str | os.PathLike[str]) -> tuple[Path, bool]:
     return path, path.name == FACEPIPE_WEIGHTS and (path.parent / FACEPIPE_SPEC).is_file()
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def load_init_weights(backbone: Backbone, path: str | os.PathLike[str]) -> InitRecord:
     """Load ``path`` (any kind above) into ``backbone`` strictly; returns what was loaded.
 
@@ -99,6 +91,6 @@ def load_init_weights(backbone: Backbone, path: str | os.PathLike[str]) -> InitR
     backbone.load_state_dict(state, strict=True)
     if dropped:
         log.info("init_from: dropped the file's pretraining classifier %s; the head is this run's own", dropped)
-    record = InitRecord(kind=kind, file=source.name, sha256=file_sha256(source), dropped=dropped)
+    record = InitRecord(kind=kind, file=source.name, sha256=sha256_file(source), dropped=dropped)
     log.info("init_from: backbone weights from %s (%s, sha256 %s)", source, kind, record.sha256[:16])
     return record

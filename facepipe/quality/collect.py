@@ -12,7 +12,6 @@ wherever the set lies: the page names no folder of its own).
 from __future__ import annotations
 
 import io
-import json
 import os
 import random
 import warnings
@@ -26,7 +25,7 @@ from PIL import Image, ImageOps
 
 from facepipe.data.scan import read_raw_file, unescape_path
 from facepipe.io import ShardSet
-from facepipe.io.manifest import duplicate_of
+from facepipe.io.manifest import duplicate_of, read_jsonl
 from facepipe.io.records import decode_header
 
 #: Reject reasons whose source is never opened for a thumbnail: nothing to see (folders, empty or
@@ -156,20 +155,17 @@ def _scan_rejects(
     cross: list[tuple[str, str]] = []
     cross_total = 0
     pick = random.Random(seed)
-    if path.is_file():
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                reject = _parse(line)
-                if reject is None:
-                    continue
-                reason = reject["reason"]
-                reasons[reason] += 1
-                _reservoir(reservoirs.setdefault(reason, []), reject, seen=reasons[reason], size=limits.rejects_per_reason, rng=pick)
-                copied = duplicate_of(reject["detail"], reject["path"]) if reason == "duplicate" else None
-                if copied is not None and copied[1]:
-                    cross_total += 1
-                    if len(cross) < limits.duplicates:
-                        cross.append((copied[0], reject["path"]))
+    for reject in map(_parse, read_jsonl(path, lenient=True) if path.is_file() else ()):
+        if reject is None:
+            continue
+        reason = reject["reason"]
+        reasons[reason] += 1
+        _reservoir(reservoirs.setdefault(reason, []), reject, seen=reasons[reason], size=limits.rejects_per_reason, rng=pick)
+        copied = duplicate_of(reject["detail"], reject["path"]) if reason == "duplicate" else None
+        if copied is not None and copied[1]:
+            cross_total += 1
+            if len(cross) < limits.duplicates:
+                cross.append((copied[0], reject["path"]))
     samples = {
         reason: [
             RejectSample(reason, r["detail"], thumbnail(raw, r["path"], reason=reason, size=limits.thumb_px))
@@ -181,11 +177,11 @@ def _scan_rejects(
     return reasons, samples, cross_total, pairs
 
 
-def _parse(line: str) -> dict[str, str] | None:
+def _parse(reject: Any) -> dict[str, str] | None:
+    """A rejects.jsonl line's value as {path, reason, detail}, or None when it is not a reject."""
     try:
-        reject = json.loads(line)
         return {"path": str(reject["path"]), "reason": str(reject["reason"]), "detail": str(reject.get("detail", ""))}
-    except (ValueError, TypeError, KeyError):
+    except (TypeError, KeyError, AttributeError):
         return None  # verify reports malformed lines; the report shows what it can
 
 

@@ -10,28 +10,26 @@ from-scratch run would, a real detector's output differs in the last bits, and s
 file of each identity in scan order), so a model trained on the old numbering needs the mapping that
 the report's ``relabel`` gives ({old label: new label}; identities with no live sample drop out).
 
-Written into a temporary sibling and published by :func:`facepipe.io.atomic.atomic_output_dir`:
-a compaction killed at any point leaves the old set as it was.
+Written into a temporary sibling and published by :func:`facepipe.shardset.build_set`: a
+compaction killed at any point leaves the old set as it was.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
 from facepipe.errors import FacepipeError
-from facepipe.io.atomic import atomic_output_dir
-from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, dumps, metadata_problems
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, metadata_problems, read_jsonl
 from facepipe.io.shards import SET_VERSION, ShardSet, ShardSetError
 from facepipe.progress import Progress
-from facepipe.quality import REPORT_FILE, write_report
-from facepipe.stages.prepare import SHARD_SET, Generation, SetBuilder
-from facepipe.stages.update import SourceEntry, source_entries
+from facepipe.shardset import Built, Generation, SetBuilder, build_set
+from facepipe.shardset.update import SourceEntry, source_entries
 
 
 def run(out: str | Path, *, progress: bool = True) -> dict[str, Any]:
@@ -43,38 +41,33 @@ def run(out: str | Path, *, progress: bool = True) -> dict[str, Any]:
     params = PrepareParams.model_validate({**recorded, "detector_weights": None})  # recorded below as it was
     scanned = shard_set.manifest["counts"]["scanned"]
     generations = len(shard_set.manifest["generations"])
-    with atomic_output_dir(out, kind=SHARD_SET) as tmp:
-        builder = SetBuilder(tmp, params, base=Generation(params=recorded))
-        try:
-            # one line at a time: memory does not grow with sources.jsonl (the builder's own needs do)
-            with Progress(scanned, desc="compact", enabled=progress) as bar, open(out / "rejects.jsonl", encoding="utf-8") as rejects:
-                lines = 0
-                for entry in _sources(out, shard_set):
-                    builder.stats = {entry.path: (entry.size, entry.mtime_ns)}  # what the builder records
-                    builder.add(_outcome(shard_set, entry, rejects))
-                    lines += 1
-                    bar.update(1)
-            manifest = builder.finish(lines)
-        except BaseException:
-            builder.abort()
-            raise
-        write_report(tmp, tmp / REPORT_FILE)  # no RAW here: rejects are listed by path, without thumbnails
-        new_label = {name: label for label, name in enumerate(builder.identities)}
-        report = {
-            "counts": manifest["counts"],
-            "rejected_by_reason": manifest["rejected_by_reason"],
-            "num_identities": manifest["num_identities"],
-            "num_shards": len(manifest["shards"]),
+
+    def produce(builder: SetBuilder) -> dict[str, Any]:
+        # one line at a time: memory does not grow with sources.jsonl (the builder's own needs do)
+        lines = 0
+        with Progress(scanned, desc="compact", enabled=progress) as bar, closing(read_jsonl(out / "rejects.jsonl")) as rejects:
+            for entry in _sources(out, shard_set):
+                builder.stats = {entry.path: (entry.size, entry.mtime_ns)}  # what the builder records
+                builder.add(_outcome(shard_set, entry, rejects))
+                lines += 1
+                bar.update(1)
+        return builder.finish(lines)
+
+    def report(built: Built) -> dict[str, Any]:
+        new_label = {name: label for label, name in enumerate(built.builder.identities)}
+        return {
+            **built.counts(),
             "generation": 0,
             "compacted_generations": generations,
             "dropped_records": int(shard_set.offsets[-1]) - len(shard_set),
             "relabel": {str(old): new_label.get(name) for old, name in enumerate(shard_set.identities)},
-            "payload_bytes": builder.payload_bytes,
-            "shard_bytes": sum((tmp / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
+            "payload_bytes": built.builder.payload_bytes,
+            "shard_bytes": built.shard_bytes,
             "timings_s": {"total": round(time.perf_counter() - started, 3)},
         }
-        (tmp / "report.json").write_text(dumps(report))
-    return report
+
+    # no RAW here: report.html lists rejects by path, without thumbnails
+    return build_set(out, params, produce, report, base=Generation(params=recorded))[0]
 
 
 def _open(out: Path) -> ShardSet:
@@ -92,12 +85,12 @@ def _open(out: Path) -> ShardSet:
     return shard_set
 
 
-def _outcome(shard_set: ShardSet, entry: SourceEntry, rejects: IO[str]) -> Outcome:
+def _outcome(shard_set: ShardSet, entry: SourceEntry, rejects: Iterator[Any]) -> Outcome:
     """The outcome a from-scratch prepare had for ``entry``: its stored record, or its reject line
     (the next of ``rejects``, whose hash the manifest holds)."""
     path, sha256 = entry.path, entry.sha256
     if entry.sample is None:
-        reject = json.loads(next(rejects, "null"))
+        reject = next(rejects, None)
         if reject is None or reject["path"] != path:
             raise FacepipeError(f"compact: rejects.jsonl and {SOURCES_FILE} disagree at {path!r}: see facepipe verify")
         return Outcome(path, sha256, reason=reject["reason"], detail=reject["detail"])
@@ -113,7 +106,7 @@ def _outcome(shard_set: ShardSet, entry: SourceEntry, rejects: IO[str]) -> Outco
 
 
 def _sources(out: Path, shard_set: ShardSet) -> Iterator[SourceEntry]:
-    """sources.jsonl's entries, checked (:func:`~facepipe.stages.update.source_entries`; the hash at the end)."""
+    """sources.jsonl's entries, checked (:func:`~facepipe.shardset.update.source_entries`; the hash at the end)."""
     try:
         yield from source_entries(out / SOURCES_FILE, expected=shard_set.manifest.get(SOURCES_KEY))
     except FacepipeError as error:

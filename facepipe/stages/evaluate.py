@@ -39,7 +39,7 @@ from facepipe.evaluation.verification import VerificationResult, cosine_scores, 
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.insightface_bin import BinSet, read_bin_set
 from facepipe.io.manifest import check_shard_set, dumps, shard_set_crop
-from facepipe.io.model_dir import load_backbone
+from facepipe.io.model_dir import ModelSpec, load_backbone
 from facepipe.io.shards import ShardSet
 from facepipe.plots import roc_png
 
@@ -224,16 +224,7 @@ def run(
             f"pairs, have {num_same} and {num_different}"
         )
     model, spec = load_backbone(model_dir, device=device)
-    image_size = shard_set.manifest.get("image", {}).get("size")
-    if image_size != spec.image_size:
-        raise FacepipeError(f"model expects {spec.image_size}px faces, shard set {prepared} holds {image_size}px")
-    crop = shard_set_crop(shard_set.manifest)
-    if crop != spec.crop:
-        raise FacepipeError(
-            f"model was trained on {spec.crop} crops, shard set {prepared} holds {crop} crops "
-            f"(prepare.crop): evaluate it on a set prepared with crop: {spec.crop}"
-        )
-
+    _check_faces_match(spec, shard_set.manifest, prepared=prepared)
     images, inverse = np.unique(indexes, return_inverse=True)
     inverse = inverse.reshape(indexes.shape)
     log.info("evaluate: %d pairs, %d distinct images, flip=%s on %s", len(indexes), len(images), params.flip, device)
@@ -263,6 +254,19 @@ def run(
     for note in metrics["notes"]:
         log.info("evaluate: %s", note)
     return metrics
+
+
+def _check_faces_match(spec: ModelSpec, manifest: dict[str, Any], *, prepared: str | Path) -> None:
+    """The set's faces are the size and crop the model was trained on. Raises FacepipeError."""
+    image_size = manifest.get("image", {}).get("size")
+    if image_size != spec.image_size:
+        raise FacepipeError(f"model expects {spec.image_size}px faces, shard set {prepared} holds {image_size}px")
+    crop = shard_set_crop(manifest)
+    if crop != spec.crop:
+        raise FacepipeError(
+            f"model was trained on {spec.crop} crops, shard set {prepared} holds {crop} crops "
+            f"(prepare.crop): evaluate it on a set prepared with crop: {spec.crop}"
+        )
 
 
 def _write_curves(folder: Path, result: VerificationResult, metrics: dict[str, Any]) -> None:

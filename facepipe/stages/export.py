@@ -21,7 +21,7 @@ import torch
 
 from facepipe.config import ExportParams
 from facepipe.errors import FacepipeError
-from facepipe.exporting import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
+from facepipe.model_export import FILE_NAMES, INPUT_NAME, OUTPUT_NAME, export_and_check, random_batch
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.model_dir import ModelSpec, load_backbone
@@ -81,32 +81,37 @@ def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[st
                 "max_embedding_diff": float(f"{check.max_embedding_diff:.3g}"),
                 **({"opset": params.opset} if fmt == "onnx" else {"method": "trace"}),
             }
-        report = {
-            "model": spec.model_dump(),
-            "input": {
-                "name": INPUT_NAME,
-                "shape": ["batch", 3, spec.image_size, spec.image_size],
-                "dtype": "float32",
-                "preprocessing": f"{spec.crop} face crop, {spec.normalization.describe()}",
-                "crop": spec.crop,
-                "normalization": spec.normalization.model_dump(),
-            },
-            "output": {
-                "name": OUTPUT_NAME,
-                "shape": ["batch", spec.embedding_size],
-                "dtype": "float32",
-                "normalized": False,
-            },
-            "check": {
-                "batch_size": params.check_batch_size,
-                "seed": params.seed,
-                "atol": params.atol,
-                "rtol": params.rtol,
-            },
-            "files": files,
-        }
+        report = _report(params, spec, files)
         (tmp / REPORT_FILE).write_text(dumps(report))
     return report
+
+
+def _report(params: ExportParams, spec: ModelSpec, files: dict[str, Any]) -> dict[str, Any]:
+    """export.json: the model, its input and output, how it was checked, and the files written."""
+    return {
+        "model": spec.model_dump(),
+        "input": {
+            "name": INPUT_NAME,
+            "shape": ["batch", 3, spec.image_size, spec.image_size],
+            "dtype": "float32",
+            "preprocessing": f"{spec.crop} face crop, {spec.normalization.describe()}",
+            "crop": spec.crop,
+            "normalization": spec.normalization.model_dump(),
+        },
+        "output": {
+            "name": OUTPUT_NAME,
+            "shape": ["batch", spec.embedding_size],
+            "dtype": "float32",
+            "normalized": False,
+        },
+        "check": {
+            "batch_size": params.check_batch_size,
+            "seed": params.seed,
+            "atol": params.atol,
+            "rtol": params.rtol,
+        },
+        "files": files,
+    }
 
 
 def onnx_metadata(spec: ModelSpec) -> dict[str, str]:

@@ -22,7 +22,7 @@ import numpy as np
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_output_dir, check_output, json_key_file
 from facepipe.io.manifest import check_shard_set, dumps
-from facepipe.io.recordio import FLOAT32_EXACT, IRHeader, RecordIOWriter, pack
+from facepipe.io.insightface_rec import FLOAT32_EXACT, IRHeader, RecordIOWriter, pack
 from facepipe.io.shards import ShardSet, sha256_file
 from facepipe.progress import Progress
 

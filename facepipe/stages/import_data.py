@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from facepipe.config import PrepareParams
+from facepipe.detection.registry import aligned_detector
 from facepipe.errors import FacepipeError
 from facepipe.stages import import_rec, prepare
 
@@ -33,5 +34,13 @@ def run(
         return import_rec.run(params, source, out, workers=workers, progress=progress)
     if not Path(source).is_dir():
         raise FacepipeError(f"nothing to import at {source}: expected a .rec file, a folder with train.rec, or a folder of aligned faces")
-    aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
+    aligned = params.model_copy(update={"detector": aligned_detector(), "detector_weights": None})
     return prepare.run(aligned, source, out, workers=workers, progress=progress, refuse_empty=True, **prepare_options)
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """prepare's one line (:func:`facepipe.stages.prepare.summary_line`), said by ``import``, and the
+    ``.bin`` validation sets a pack brought along."""
+    carried = report.get("validation_sets")
+    sets = ", ".join(f"{name} ({pairs} pairs)" for name, pairs in carried.items()) if carried else ""
+    return prepare.summary_line(report, stage="import") + (f"; validation sets: {sets}" if sets else "")

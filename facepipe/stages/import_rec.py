@@ -1,6 +1,6 @@
 """Import an insightface RecordIO pack (``train.rec`` + ``train.idx``) into a shard set.
 
-The same contract as prepare (DESIGN.md, "A prepared shard set"): every image record of the pack
+The same contract as prepare (docs/architecture.md, "A prepared shard set"): every image record of the pack
 is scanned once and ends as a sample or a reject (``scanned == accepted + rejected``), duplicates by
 content are rejected, the set is written into a temporary sibling and renamed into place, and the
 manifest is deterministic. A record's source path is ``<identity>/<rec name>#<key>`` (its identity
@@ -39,9 +39,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -49,20 +47,20 @@ from typing import IO, Any
 import numpy as np
 
 from facepipe.alignment import align_face
+from facepipe.cluster import chunk_runner, default_workers, ordered_results
 from facepipe.config import PrepareParams
 from facepipe.data.decode import Reject, load_image
 from facepipe.data.extract import Outcome
 from facepipe.detection.prealigned import aligned_landmarks
+from facepipe.detection.registry import aligned_detector
 from facepipe.errors import FacepipeError
-from facepipe.io.atomic import atomic_output_dir, check_output
+from facepipe.io.atomic import check_output
 from facepipe.io.manifest import dumps
 from facepipe.io.records import decode_image, encode_image, unsafe_path_reason
-from facepipe.io.recordio import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
+from facepipe.io.insightface_rec import FLOAT32_EXACT, RecordIOError, read_index, read_property, read_record, scan_offsets, unpack
 from facepipe.io.validation_sets import MANIFEST_KEY, bin_files_beside, check_bin_files, copy_bin_files
-from facepipe.parallel import FutureLike, dask_client, default_workers, ordered_results
 from facepipe.progress import Progress
-from facepipe.quality import REPORT_FILE, write_report
-from facepipe.stages.prepare import SHARD_SET, SetBuilder, reasons_text, warn_resized
+from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, reasons_text, warn_resized
 
 log = logging.getLogger("facepipe.import")
 
@@ -303,7 +301,7 @@ def _warn_identity_records(problems: list[tuple[int, str]], counts: dict[str, in
     )
 
 
-def import_chunk(pack: RecPack, chunk: list[ImageRef], params: PrepareParams) -> list[Outcome]:
+def import_chunk(chunk: list[ImageRef], pack: RecPack, params: PrepareParams) -> list[Outcome]:
     """One :class:`Outcome` per image of ``chunk``, in order: the unit of parallel work (a Dask task)."""
     with open(pack.rec, "rb") as handle:
         return [_image_outcome(handle, pack, key, offset, params, expected) for key, offset, expected in chunk]
@@ -380,7 +378,7 @@ def run(
     The output is byte-identical for any number.
     """
     started = time.perf_counter()
-    params = params.model_copy(update={"detector": "none", "detector_weights": None})
+    params = params.model_copy(update={"detector": aligned_detector(), "detector_weights": None})
     pack = find_pack(source)
     out = Path(out)
     bins = bin_files_beside(pack.rec.parent)
@@ -388,37 +386,42 @@ def run(
     files |= {f"validation set {path.name}": path for path in bins}
     check_output(out, kind=SHARD_SET, sources={"pack folder": source} if Path(source).is_dir() else files)
     bin_entries = check_bin_files(bins)  # before any record is read: a bad .bin stops the import at once
-    with open(pack.rec, "rb") as handle, atomic_output_dir(out, kind=SHARD_SET) as tmp:
+    with open(pack.rec, "rb") as handle:
         layout = read_layout(pack, handle)
-        scanned = len(layout.keys) + len(layout.stray)
-        builder = SetBuilder(tmp, params)
-        n_workers = workers or (default_workers() if len(layout.keys) >= IN_PROCESS_BELOW else 1)
-        try:
-            with _submitter(pack, params, n_workers) as submit, Progress(scanned, desc="import", enabled=progress) as bar:
-                for outcomes in ordered_results(submit, layout.chunks(CHUNK_RECORDS), window=2 * n_workers + 1):
-                    for outcome in outcomes:
-                        builder.add(outcome)
-                    bar.update(len(outcomes))
-            for outcome in _stray_outcomes(pack, layout):
-                builder.add(outcome)
-            manifest = builder.finish(scanned)
-        except BaseException:
-            builder.abort()
-            raise
+    scanned = len(layout.keys) + len(layout.stray)
+    n_workers = workers or (default_workers() if len(layout.keys) >= IN_PROCESS_BELOW else 1)
+
+    def produce(builder: SetBuilder) -> dict[str, Any]:
+        # each worker opens the .rec itself; names may be long: the pack is sent to a worker once, not per chunk
+        runner = chunk_runner(import_chunk, pack, params, here=n_workers == 1, workers=n_workers, broadcast=True)
+        with runner as (submit, _), Progress(scanned, desc="import", enabled=progress) as bar:
+            for outcomes in ordered_results(submit, layout.chunks(CHUNK_RECORDS), window=2 * n_workers + 1):
+                for outcome in outcomes:
+                    builder.add(outcome)
+                bar.update(len(outcomes))
+        for outcome in _stray_outcomes(pack, layout):
+            builder.add(outcome)
+        manifest = builder.finish(scanned)
         if not manifest["counts"]["accepted"]:
             raise FacepipeError(f"nothing imported from {pack.rec}: all {scanned} records were rejected ({reasons_text(builder)})")
         manifest["source"] = _source_entry(pack, layout)
         if bins:
-            copy_bin_files(bins, bin_entries, tmp)
+            copy_bin_files(bins, bin_entries, builder.root)
             manifest[MANIFEST_KEY] = bin_entries
-        (tmp / "manifest.json").write_text(dumps(manifest))
-        write_report(tmp, tmp / REPORT_FILE)  # rejected records live inside the pack: paths only
-        report = _report(manifest, builder, tmp, workers=n_workers, elapsed=time.perf_counter() - started)
-        report["identity_records"] = layout.identity_records
-        report["validation_sets"] = {entry["file"]: entry["num_pairs"] for entry in bin_entries}
-        (tmp / "report.json").write_text(dumps(report))
+        (builder.root / "manifest.json").write_text(dumps(manifest))
+        return manifest
+
+    def report(built: Built) -> dict[str, Any]:
+        return {
+            **_report(built, workers=n_workers, elapsed=time.perf_counter() - started),
+            "identity_records": layout.identity_records,
+            "validation_sets": {entry["file"]: entry["num_pairs"] for entry in bin_entries},
+        }
+
+    # rejected records live inside the pack: report.html lists them by path
+    summary, builder = build_set(out, params, produce, report)
     warn_resized(builder, params.image_size)
-    return report
+    return summary
 
 
 def _source_entry(pack: RecPack, layout: Layout) -> dict[str, Any]:
@@ -431,34 +434,13 @@ def _source_entry(pack: RecPack, layout: Layout) -> dict[str, Any]:
     }
 
 
-@contextmanager
-def _submitter(pack: RecPack, params: PrepareParams, n_workers: int) -> Iterator[Callable[[list[ImageRef]], FutureLike]]:
-    """A function that runs :func:`import_chunk` on a chunk: in this process for one worker, else on
-    a local Dask cluster of ``n_workers`` processes (each opens the .rec itself)."""
-    if n_workers == 1:
-        yield lambda chunk: _done(import_chunk(pack, chunk, params))
-        return
-    with dask_client(workers=n_workers) as client:
-        shared = client.scatter(pack, broadcast=True)  # names may be long: sent once, not per chunk
-        yield lambda chunk: client.submit(import_chunk, shared, chunk, params, pure=False)
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
-def _report(manifest: dict[str, Any], builder: SetBuilder, root: Path, *, workers: int, elapsed: float) -> dict[str, Any]:
-    scanned = manifest["counts"]["scanned"]
+def _report(built: Built, *, workers: int, elapsed: float) -> dict[str, Any]:
+    scanned = built.manifest["counts"]["scanned"]
     return {
-        "counts": manifest["counts"],
-        "rejected_by_reason": manifest["rejected_by_reason"],
-        "num_identities": manifest["num_identities"],
-        "num_shards": len(manifest["shards"]),
-        "payload_bytes": builder.payload_bytes,
-        "shard_bytes": sum((root / "shards" / s["file"]).stat().st_size for s in manifest["shards"]),
-        "resized": len(builder.resized),
+        **built.counts(),
+        "payload_bytes": built.builder.payload_bytes,
+        "shard_bytes": built.shard_bytes,
+        "resized": len(built.builder.resized),
         "workers": workers,
         "scheduler": "in-process" if workers == 1 else "local",
         "timings_s": {"total": round(elapsed, 3)},

@@ -12,11 +12,11 @@ from PIL import Image
 
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
-from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, metadata_problems
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, metadata_problems, read_jsonl
 from facepipe.io.records import Record, decode_image, unsafe_path_reason
-from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file
+from facepipe.io.shards import CorruptRecordError, ShardReader, ShardSetError, sha256_file, shard_path
 from facepipe.io.validation_sets import MANIFEST_KEY, verify_bin_sets
-from facepipe.stages.update import source_entries
+from facepipe.shardset.update import source_entries
 
 _SHOWN_PER_SHARD = 20  # record problems listed per shard; the rest are counted
 
@@ -25,7 +25,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
     """Identities, samples, rejects by reason, shard sizes and storage overhead of a shard set."""
     shard_set = ShardSet(root)
     root = Path(root)
-    shard_bytes = {s["file"]: (root / "shards" / s["file"]).stat().st_size for s in shard_set.manifest["shards"]}
+    shard_bytes = {s["file"]: shard_path(root, s["file"]).stat().st_size for s in shard_set.manifest["shards"]}
     report_path = root / "report.json"
     payload = json.loads(report_path.read_text()).get("payload_bytes") if report_path.is_file() else None
     if payload is None:
@@ -33,8 +33,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
     reasons: Counter[str] = Counter()
     rejects_path = root / "rejects.jsonl"
     if rejects_path.is_file():
-        with open(rejects_path) as handle:
-            reasons.update(json.loads(line)["reason"] for line in handle if line.strip())
+        reasons.update(reject["reason"] for reject in read_jsonl(rejects_path))
     total = sum(shard_bytes.values())
     per_identity = Counter(shard_set.labels().tolist())
     return {
@@ -233,14 +232,8 @@ def _verify_sources(root: Path, manifest: dict[str, Any], *, live: dict[str, tup
 
 def _jsonl_objects(path: Path) -> Any:
     """The lines of a JSONL file as parsed values (None for a line that does not parse), one at a time."""
-    if not path.is_file():
-        return
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for line in handle:
-            try:
-                yield json.loads(line)
-            except ValueError:
-                yield None
+    if path.is_file():
+        yield from read_jsonl(path, lenient=True)
 
 
 def _verify_rejects(path: Path, manifest: dict[str, Any], *, seen: dict[str, str]) -> list[str]:
@@ -249,18 +242,16 @@ def _verify_rejects(path: Path, manifest: dict[str, Any], *, seen: dict[str, str
         return []  # metadata_problems names it
     problems: list[str] = []
     reasons: Counter[str] = Counter()
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        for number, line in enumerate(handle, start=1):
-            try:
-                reject = json.loads(line)
-                reject_path, reason = reject["path"], reject["reason"]
-            except (ValueError, TypeError, KeyError):
-                problems.append(f"rejects.jsonl line {number}: not a JSON object with path and reason")
-                continue
-            reasons[str(reason)] += 1
-            if reject_path in seen:
-                problems.append(f"rejects.jsonl line {number}: {reject_path!r} also at {seen[reject_path]}")
-            seen.setdefault(reject_path, f"rejects.jsonl line {number}")
+    for number, reject in enumerate(read_jsonl(path, lenient=True), start=1):
+        try:
+            reject_path, reason = reject["path"], reject["reason"]
+        except (TypeError, KeyError):
+            problems.append(f"rejects.jsonl line {number}: not a JSON object with path and reason")
+            continue
+        reasons[str(reason)] += 1
+        if reject_path in seen:
+            problems.append(f"rejects.jsonl line {number}: {reject_path!r} also at {seen[reject_path]}")
+        seen.setdefault(reject_path, f"rejects.jsonl line {number}")
     recorded = manifest.get("rejected_by_reason")
     if recorded is not None and recorded != dict(reasons):
         problems.append("manifest rejected_by_reason differs from the reasons in rejects.jsonl")

@@ -1,6 +1,6 @@
 """The sample-data stage: ``facepipe sample-data OUT`` writes the built-in offline raw dataset.
 
-The work is :func:`facepipe.data.sample.make_sample_dataset`; this module resolves parameters
+The work is :func:`facepipe.synthetic.photos.make_sample_dataset`; this module resolves parameters
 (``params.yaml`` section ``sample_data`` plus command-line overrides) and reports one line.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from facepipe.config import SampleDataParams, parse_section
-from facepipe.data.sample import SampleReport, make_sample_dataset
+from facepipe.synthetic.photos import SampleReport, make_sample_dataset
 from facepipe.progress import Progress
 
 log = logging.getLogger("facepipe.sample_data")

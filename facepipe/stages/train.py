@@ -1,4 +1,4 @@
-"""The train stage: a prepared shard set -> a trained backbone (DESIGN.md, "train").
+"""The train stage: a prepared shard set -> a trained backbone (docs/architecture.md, "Stages").
 
 ``facepipe train PREPARED OUT`` runs as one process; ``torchrun --nproc-per-node N -m facepipe train
 PREPARED OUT`` runs the same code as N DDP processes (NCCL on CUDA, gloo on CPU). Writes::
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from facepipe.config import TrainParams
 from facepipe.data.augment import Augmenter
 from facepipe.data.dataset import FaceDataset, IdentitySelection, make_loader
-from facepipe.data.sampler import ShardOrderSampler
+from facepipe.data.batch_order import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import create_head, create_model_parallel_head
 from facepipe.io.manifest import check_shard_set, shard_set_crop
@@ -53,7 +53,6 @@ from facepipe.io.model_dir import (
 )
 from facepipe.models import create_backbone
 from facepipe.models.pretrained import load_init_weights
-from facepipe.parallel import loader_workers
 from facepipe.training.checkpoint import agreed_resume_point, encode_class_names, remove_checkpoints
 from facepipe.training.distributed import (
     Distributed,
@@ -65,6 +64,7 @@ from facepipe.training.distributed import (
 from facepipe.training.metrics import TrainMetrics, draw_curves
 from facepipe.training.optimizer import build_optimizer
 from facepipe.training.schedule import Plan, build_scheduler, make_plan, milestone_steps
+from facepipe.training.loader import loader_workers
 from facepipe.training.memory import batch_limit, cached_batch_size, find_batch_size
 from facepipe.training.trainer import AMP_DTYPES, FaceModel, LoopOptions, Trainer
 from facepipe.training.validation import BEST_DIR, Validator, validation_files
@@ -291,32 +291,15 @@ def _train(
         fresh=fresh,
         trust_unverified=trust_unverified,
     )
-    if resumed_from is not None and init is not None:
-        log.info("resuming from the checkpoint of step %d: its weights replace train.init_from's", resumed_from)
-    if context.is_main:
-        remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
+    _start(out, context, resumed_from=resumed_from, init=init)
 
-    spec = ModelSpec(
-        backbone=params.backbone,
-        embedding_size=params.embedding_size,
-        image_size=dataset.image_size,
-        crop=shard_set_crop(dataset.shards.manifest),
-        normalization=Normalization.of(getattr(model.backbone, "family", "arcface")),
-        init_from=None if init is None else init.as_dict(),
-    )
+    spec = _model_spec(params, dataset, model, init=init)
     options = _loop_options(params, out, max_steps=max_steps, dataset=dataset, fingerprint=fingerprint, spec=spec)
     validator = _validator(params, context, out=out, spec=spec, resumed=resumed_from, shard_set=dataset.shards)
     options = replace(options, validator=validator)
-    sampler, loader = _make_loader(params, context, dataset=dataset)
-    start_step, fit_started = trainer.state.step, time.perf_counter()
-    metrics = TrainMetrics(out, enabled=context.is_main, resume_step=resumed_from)
-    if options.validator is not None and resumed_from is not None:
-        options.validator.recover(out)  # the history TrainMetrics kept: rows up to the checkpoint
-    try:
-        state = trainer.fit(loader, sampler, options=options, metrics=metrics)
-    finally:
-        metrics.close()
-    samples_per_s = (state.step - start_step) * plan.effective_batch / max(time.perf_counter() - fit_started, 1e-9)
+    state, samples_per_s = _fit(
+        trainer, params, context, dataset=dataset, options=options, out=out, resumed_from=resumed_from, batch=plan.effective_batch
+    )
     _write_model(out, model, spec=spec, context=context, skipped=dataset.skipped)
     return TrainReport(
         out=str(out),
@@ -334,6 +317,52 @@ def _train(
         samples_per_s=samples_per_s,
         elapsed_s=time.perf_counter() - started,
         skipped_records=dataset.skipped,
+    )
+
+
+def _fit(
+    trainer: Trainer,
+    params: TrainParams,
+    context: Distributed,
+    *,
+    dataset: FaceDataset,
+    options: LoopOptions,
+    out: Path,
+    resumed_from: int | None,
+    batch: int,
+) -> tuple[Any, float]:
+    """The training loop over the loader; returns its final state and the samples per second it ran
+    at (``batch``: samples a step takes over all ranks)."""
+    sampler, loader = _make_loader(params, context, dataset=dataset)
+    start_step, fit_started = trainer.state.step, time.perf_counter()
+    metrics = TrainMetrics(out, enabled=context.is_main, resume_step=resumed_from)
+    if options.validator is not None and resumed_from is not None:
+        options.validator.recover(out)  # the history TrainMetrics kept: rows up to the checkpoint
+    try:
+        state = trainer.fit(loader, sampler, options=options, metrics=metrics)
+    finally:
+        metrics.close()
+    return state, (state.step - start_step) * batch / max(time.perf_counter() - fit_started, 1e-9)
+
+
+def _start(out: Path, context: Distributed, *, resumed_from: int | None, init: Any) -> None:
+    """Say which weights a resumed run goes on from, and clear an older run's model files."""
+    if resumed_from is not None and init is not None:
+        log.info("resuming from the checkpoint of step %d: its weights replace train.init_from's", resumed_from)
+    if context.is_main:
+        remove_model_files(out)  # this run replaces them: never leave an older run's beside its checkpoints
+
+
+def _model_spec(params: TrainParams, dataset: FaceDataset, model: Any, *, init: Any) -> ModelSpec:
+    """What model.json records of the model: its backbone, input size, crop and normalization, and
+    the weights it started from (``init``: ``load_init_weights``' result, or None)."""
+    return ModelSpec(
+        backbone=params.backbone,
+        embedding_size=params.embedding_size,
+        image_size=dataset.image_size,
+        crop=shard_set_crop(dataset.shards.manifest),
+        normalization=Normalization.of(getattr(model.backbone, "family", "arcface")),
+        init_from=None if init is None else init.as_dict(),
     )
 
 

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from facepipe.config import Precision
 from facepipe.data.augment import normalize
-from facepipe.data.sampler import ShardOrderSampler
+from facepipe.data.batch_order import ShardOrderSampler
 from facepipe.errors import FacepipeError
 from facepipe.heads import HeadOutput, Margin, ModelParallelMarginHead
 from facepipe.progress import Progress

@@ -12,7 +12,7 @@ import numpy as np
 from facepipe.alignment import ARCFACE_TEMPLATE_112
 from facepipe.io.manifest import build_manifest, write_metadata
 from facepipe.io.records import encode_image, encode_record
-from facepipe.io.shards import ShardWriter
+from facepipe.io.shards import SHARDS_DIR, ShardWriter
 
 
 def write_synthetic_shard_set(
@@ -44,7 +44,7 @@ def write_synthetic_shard_set(
         pool = [_noisy_payload(_base(rng, image_size), rng, quality=quality) for _ in range(payload_pool)]
     else:
         coarse = rng.integers(0, 256, size=(num_identities, 8, 8, 3), dtype=np.uint8)
-    with ShardWriter(root / "shards", samples_per_shard=samples_per_shard) as writer:
+    with ShardWriter(root / SHARDS_DIR, samples_per_shard=samples_per_shard) as writer:
         for label, name in enumerate(identities):
             base = None if payload_pool else _base(rng, image_size, coarse[label])
             for i in range(samples_per_identity):

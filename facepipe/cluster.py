@@ -1,15 +1,16 @@
-"""Dask plumbing for prepare: a cluster to run on, and an ordered, bounded map over chunks."""
+"""Dask plumbing for prepare and import: a cluster to run on, where a chunk runs (here or on Dask), and
+an ordered, bounded map over chunks. (The training data loader's worker count: :mod:`facepipe.training.loader`.)"""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Protocol, TypeVar
 
-from facepipe.devices import worker_gpus
+from facepipe.devices import available_cores, worker_gpus
 from facepipe.errors import FacepipeError
 
 T = TypeVar("T")
@@ -44,37 +45,11 @@ def worker_config() -> Iterator[None]:
 WORKERS_PER_GPU = 2
 
 
-def available_cores() -> int:
-    """Cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
-
-
 def default_workers(*, gpus: int = 0) -> int:
     """One worker process per core; with ``gpus`` > 0 (detection on GPUs), ``WORKERS_PER_GPU`` per
     GPU, never more than the cores."""
     cores = available_cores()
     return min(cores, WORKERS_PER_GPU * gpus) if gpus > 0 else cores
-
-
-#: Data loader processes per training process at most: decoding and augmenting 112 px faces is cheap,
-#: and every worker holds its own copy of the shard handles and decode buffers.
-MAX_LOADER_WORKERS = 8
-
-
-def loader_workers(setting: int | str, *, device_type: str, local_processes: int | None = None) -> int:
-    """Data loader processes for each training process: ``setting``, or for ``auto`` the cores per
-    training process on this node (``local_processes``, default torchrun's LOCAL_WORLD_SIZE) less the
-    one the training process drives a GPU with, or half of them on the CPU, where the training
-    process computes on the others; at least 1, at most ``MAX_LOADER_WORKERS``."""
-    if setting != "auto":
-        return int(setting)
-    local = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = max(1, available_cores() // max(local, 1))
-    spare = cores - 1 if device_type == "cuda" else cores // 2
-    return max(1, min(MAX_LOADER_WORKERS, spare))
 
 
 def detection_gpus(device: str, *, device_count: int | None = None) -> int:
@@ -102,6 +77,41 @@ def ordered_results(submit: Callable[[T], FutureLike], items: Iterable[T], *, wi
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
+
+
+def done(value: Any) -> Future:
+    """A future that already holds ``value``: the result of work that ran here."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+@contextmanager
+def chunk_runner(
+    work: Callable[..., Any],
+    *args: Any,
+    here: bool = False,
+    workers: int | None = None,
+    scheduler_address: str | None = None,
+    device: str = "cpu",
+    warm: Callable[[], Any] | None = None,
+    broadcast: bool = False,
+) -> Iterator[tuple[Callable[[Any], FutureLike], int]]:
+    """Where ``work(chunk, *args)`` runs, chunk by chunk: yields a submit function (chunk -> future)
+    and the number of workers behind it. ``here``: in this process, one worker, every call a done
+    future (no cluster to start). Else on Dask (:func:`dask_client`: a local cluster of ``workers``
+    processes on ``device``, or the cluster at ``scheduler_address``); ``warm`` runs once on every
+    worker before the first chunk (loads a detector before anything is timed); ``broadcast`` sends
+    ``args`` to every worker once instead of with each chunk (large arguments)."""
+    if here:
+        yield (lambda chunk: done(work(chunk, *args))), 1
+        return
+    with dask_client(workers=workers, scheduler_address=scheduler_address, device=device) as client:
+        n_workers = max(1, sum(client.nthreads().values()))
+        if warm is not None:
+            client.run(warm)
+        shared = tuple(client.scatter(list(args), broadcast=True)) if broadcast else args
+        yield (lambda chunk: client.submit(work, chunk, *shared, pure=False)), n_workers
 
 
 @contextmanager

@@ -25,7 +25,6 @@ import gc
 import hashlib
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,12 +35,9 @@ from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
 from facepipe.data.scan import ScanItem, read_raw_file, unescape_path
 from facepipe.errors import FacepipeError
-from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, metadata_problems
-from facepipe.io.shards import SET_VERSION, ShardInfo, ShardSet, ShardSetError, shard_name
-
-#: Where a generation's new shards are written inside the temporary output before they are renamed.
-NEW_SHARDS = ".new-shards"
-
+from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, metadata_problems, read_jsonl
+from facepipe.io.shards import SET_VERSION, ShardInfo, ShardSet, ShardSetError
+from facepipe.shardset.builder import Generation
 
 class NotGrowable(FacepipeError):
     """``out`` is a facepipe set, but not one this update may grow (older format, other params, inconsistent):
@@ -219,10 +215,7 @@ def _entry_problem(entry: SourceEntry) -> str | None:
 def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
     """The lines of a JSONL file that the update reads, parsed one at a time."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            for text in handle:
-                if text.strip():
-                    yield json.loads(text)
+        yield from read_jsonl(path)
     except OSError as error:
         raise FacepipeError(f"--update: cannot read {path}: {error}") from None
     except ValueError as error:
@@ -243,12 +236,10 @@ def source_entries(path: Path, *, expected: str | None) -> Iterator[SourceEntry]
         raise SourcesError(f"{path} is inconsistent (the manifest records no {SOURCES_KEY}: written by an earlier facepipe)")
     digest = SourcesDigest()
     try:
-        with open(path, encoding="utf-8") as handle:
-            for text in handle:
-                if text.strip():
-                    entry = SourceEntry(json.loads(text))
-                    digest.add(entry.path, entry.sha256, entry.reason, entry.sample, entry.generation)
-                    yield entry
+        for line in read_jsonl(path):
+            entry = SourceEntry(line)
+            digest.add(entry.path, entry.sha256, entry.reason, entry.sample, entry.generation)
+            yield entry
     except OSError as error:
         raise FacepipeError(f"cannot read {path}: {error}") from None
     except KeyError as error:
@@ -279,26 +270,27 @@ def read_sources(path: Path, *, expected: str | None) -> dict[str, SourceEntry]:
     return sources
 
 
-def link_shards(base: ShardSet, tmp: Path) -> None:
-    """The base's shard files into ``tmp/shards`` as hard links (same bytes, no copy); a copy where
-    the file system refuses links. The base set itself is never written."""
-    (tmp / "shards").mkdir(parents=True, exist_ok=True)
-    for entry in base.manifest["shards"]:
-        source, target = base.root / "shards" / entry["file"], tmp / "shards" / entry["file"]
-        try:
-            os.link(source, target)
-        except OSError:
-            shutil.copy2(source, target)
+def base_generation(plan: UpdatePlan | None) -> Generation | None:
+    """The :class:`Generation` an update builds on (None: a from-scratch build)."""
+    if plan is None:
+        return None
+    manifest = plan.base.manifest
+    shards = tuple(
+        ShardInfo(e["file"], int(e["num_samples"]), e["sha256"], 0, int(e["bytes"])) for e in manifest["shards"]
+    )
+    return Generation(
+        number=len(manifest["generations"]),
+        stored=int(plan.base.offsets[-1]),
+        shards=shards,
+        identities=tuple(plan.base.identities),
+        generations=tuple(manifest["generations"]),
+        params=manifest["params"],
+    )
 
 
-def place_new_shards(shards: list[ShardInfo], *, root: Path, first: int) -> list[ShardInfo]:
-    """Rename a generation's shards from ``root/NEW_SHARDS`` to ``root/shards``, numbered from ``first``."""
-    placed = []
-    for offset, info in enumerate(shards):
-        name = shard_name(first + offset)
-        if os.path.lexists(root / "shards" / name):  # never replace a base shard's link: refuse, lose nothing
-            raise RuntimeError(f"shard {name} already exists in {root / 'shards'}: the base set's shards are not numbered 0..{first - 1}")
-        (root / NEW_SHARDS / info.file).rename(root / "shards" / name)
-        placed.append(ShardInfo(name, info.num_samples, info.sha256, info.payload_bytes, info.bytes))
-    shutil.rmtree(root / NEW_SHARDS, ignore_errors=True)
-    return placed
+def base_payload(plan: UpdatePlan) -> int:
+    """The payload bytes the base's report recorded (0 when it has none)."""
+    try:
+        return int(json.loads((plan.base.root / "report.json").read_text())["payload_bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
