@@ -467,7 +467,7 @@ def read_params_file(path: str | Path | None, *, missing_ok: bool = False) -> di
             return {}
         raise ParamsError(f"params file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
         raise ParamsError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
     if data is None:

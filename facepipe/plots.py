@@ -33,7 +33,7 @@ _LABELS = {
 
 def read_series(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """A dvclive TSV (``step`` and one value column) -> ([N] steps, [N] values), float64."""
-    with open(path, newline="") as handle:
+    with open(path, newline="", encoding="utf-8") as handle:
         rows = list(csv.reader(handle, delimiter="\t"))
     if len(rows) < 2:
         return np.zeros(0), np.zeros(0)

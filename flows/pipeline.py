@@ -50,7 +50,7 @@ def _tail(text: str, lines: int = 15) -> str:
 
 def pipeline_stages(project: Path) -> list[str]:
     """Stage names in the order ``dvc.yaml`` lists them (upstream first)."""
-    spec = yaml.safe_load((project / "dvc.yaml").read_text()) or {}
+    spec = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {}
     return list((spec.get("stages") or {}).keys())
 
 
@@ -103,13 +103,13 @@ def flatten_metrics(shown: dict[str, Any]) -> list[dict[str, Any]]:
 def prepare_file_counts(project: Path) -> list[dict[str, Any]]:
     """Rows ``{file, metric, value}``: the files the last prepare reused, processed and removed (its
     report.json, inside the prepare stage's output folder: not a DVC metric, since that folder is an output)."""
-    spec = yaml.safe_load((project / "dvc.yaml").read_text()) or {}
+    spec = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {}
     outs = ((spec.get("stages") or {}).get("prepare") or {}).get("outs") or []
     if not outs:
         return []
     report = f"{_entry_path(outs[0]).rstrip('/')}/report.json"
     try:
-        files = json.loads((project / report).read_text()).get("files") or {}
+        files = json.loads((project / report).read_text(encoding="utf-8")).get("files") or {}
     except (OSError, ValueError, AttributeError):
         return []
     return [{"file": report, "metric": f"files.{key}", "value": value} for key, value in sorted(files.items())]
@@ -139,7 +139,7 @@ def _entry_path(entry: str | dict[str, Any]) -> str:
 def offline_views(project: Path) -> list[str]:
     """Paths (relative to ``project``, in ``dvc.yaml`` order) of the image plots its stages declare and
     of the ``report.html`` in their output folders, where those files exist."""
-    spec = yaml.safe_load((project / "dvc.yaml").read_text()) or {}
+    spec = yaml.safe_load((project / "dvc.yaml").read_text(encoding="utf-8")) or {}
     views = []
     for stage in (spec.get("stages") or {}).values():
         views += [p for p in map(_entry_path, stage.get("plots") or []) if p.lower().endswith(IMAGE_SUFFIXES)]

@@ -285,3 +285,27 @@ def test_one_file_hash_and_one_jsonl_reader() -> None:
             if opens and "loads" in attrs and loops:
                 copies.append(f"{_name(path)}::{node.name} reads JSON lines")
     assert not copies, "; ".join(copies)
+
+
+def _text_io_without_encoding(tree: ast.AST) -> list[int]:
+    """Lines that open, read or write a file as text without naming the encoding: the locale's
+    would be used (ASCII on a server with LANG unset), so the bytes would follow the machine."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in ("read_text", "write_text"):
+            lines.append(node.lineno)
+        elif isinstance(func, ast.Name) and func.id == "open" or isinstance(func, ast.Attribute) and func.attr == "open" and (
+            isinstance(func.value, ast.Name) and func.value.id in ("io", "builtins")
+        ):
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            if not (isinstance(mode, ast.Constant) and "b" in str(mode.value)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_every_text_file_is_read_and_written_as_utf8() -> None:
+    found = [f"{_name(path)}:{line}" for path in _sources() for line in _text_io_without_encoding(ast.parse(path.read_text(encoding="utf-8")))]
+    assert not found, found

@@ -36,7 +36,7 @@ def read_identity_list(path: str | os.PathLike[str]) -> list[str]:
     """A JSON file holding a list of identity names (what the split stage writes)."""
     path = Path(path)
     try:
-        names = json.loads(path.read_text())
+        names = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FacepipeError(f"identity list not found: {path}") from None
     except (OSError, ValueError) as error:

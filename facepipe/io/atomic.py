@@ -93,7 +93,7 @@ def json_key_file(name: str, *keys: str, **values: Any) -> Callable[[Path], bool
 
     def identify(folder: Path) -> bool:
         try:
-            data = json.loads((folder / name).read_text())
+            data = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return False
         return (
@@ -162,7 +162,7 @@ def _pid_alive(pid: int) -> bool:
 
 def mark(folder: Path) -> None:
     """Write :data:`MARKER` naming this process into ``folder`` (a temporary or set-aside folder)."""
-    (folder / MARKER).write_text(json.dumps({"format": _MARKER_FORMAT, "pid": os.getpid()}))
+    (folder / MARKER).write_text(json.dumps({"format": _MARKER_FORMAT, "pid": os.getpid()}), encoding="utf-8")
 
 
 def _marked_by(folder: Path) -> int | None:
@@ -171,7 +171,7 @@ def _marked_by(folder: Path) -> int | None:
     try:
         if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 256:
             return None
-        data = json.loads(marker.read_text())
+        data = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or set(data) != {"format", "pid"} or data["format"] != _MARKER_FORMAT:

@@ -57,7 +57,7 @@ def _rows(path: Path, columns: int) -> list[list[str]]:
     if not path.is_file():
         raise ForeignFileError(f"IJB meta file not found: {path}")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         fields = line.split()

@@ -104,13 +104,13 @@ def write_metadata(
     """Write labels.json, rejects.jsonl (unless ``rejects`` is None: already streamed) and, last,
     manifest.json with their hashes added: its presence marks a complete set. Returns what it wrote."""
     root = Path(root)
-    (root / "labels.json").write_text(dumps(list(identities)))
+    (root / "labels.json").write_text(dumps(list(identities)), encoding="utf-8")
     if rejects is not None:
-        with open(root / "rejects.jsonl", "w") as handle:
+        with open(root / "rejects.jsonl", "w", encoding="utf-8") as handle:
             for reject in rejects:
                 handle.write(reject_line(reject))
     written = {**manifest, "files": {name: sha256_file(root / name) for name in HASHED_FILES}}
-    (root / "manifest.json").write_text(dumps(written))
+    (root / "manifest.json").write_text(dumps(written), encoding="utf-8")
     return written
 
 

@@ -126,7 +126,7 @@ def _read_model_json(model_dir: str | Path) -> tuple[ModelSpec, str | None]:
     if not path.is_file():
         raise FacepipeError(f"not a model folder (no {SPEC_FILE}; the train stage writes it): {model_dir}")
     try:
-        content = json.loads(path.read_text())
+        content = json.loads(path.read_text(encoding="utf-8"))
         weights_sha256 = content.pop(_WEIGHTS_HASH, None) if isinstance(content, dict) else None
         return ModelSpec.model_validate(content), weights_sha256
     except (OSError, ValueError) as error:

@@ -423,8 +423,8 @@ class ShardSet:
         if not manifest_path.is_file():
             raise ShardSetError(f"not a prepared shard set (no manifest.json): {self.root}")
         try:
-            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
-            self.identities: list[str] = json.loads((self.root / "labels.json").read_text())
+            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text(encoding="utf-8"))
+            self.identities: list[str] = json.loads((self.root / "labels.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
             raise ShardSetError(f"unreadable shard set metadata in {self.root}: {error}") from None
         if not isinstance(self.manifest, dict):

@@ -72,5 +72,5 @@ def build_set(
         write_report(tmp, tmp / REPORT_FILE, raw=raw)  # bounded: a sample through the label index
         built = Built(manifest, builder, shard_bytes(tmp, manifest), round(time.perf_counter() - started, 3))
         summary = report(built)
-        (tmp / "report.json").write_text(dumps(summary))
+        (tmp / "report.json").write_text(dumps(summary), encoding="utf-8")
     return summary, builder

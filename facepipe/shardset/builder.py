@@ -58,8 +58,8 @@ class SetBuilder:
         # a generation's shards are numbered after the base's: written aside, renamed by finish()
         new_shards = root / NEW_SHARDS if self.base.shards else root / SHARDS_DIR
         self.writer = ShardWriter(new_shards, samples_per_shard=params.samples_per_shard)
-        self.rejects = open(root / "rejects.jsonl", "w")
-        self.sources = open(root / SOURCES_FILE, "w")
+        self.rejects = open(root / "rejects.jsonl", "w", encoding="utf-8")
+        self.sources = open(root / SOURCES_FILE, "w", encoding="utf-8")
         self.sources_digest = SourcesDigest()
         self.stats: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) taken before it was read
         self.identities: list[str] = list(self.base.identities)

@@ -291,6 +291,6 @@ def base_generation(plan: UpdatePlan | None) -> Generation | None:
 def base_payload(plan: UpdatePlan) -> int:
     """The payload bytes the base's report recorded (0 when it has none)."""
     try:
-        return int(json.loads((plan.base.root / "report.json").read_text())["payload_bytes"])
+        return int(json.loads((plan.base.root / "report.json").read_text(encoding="utf-8"))["payload_bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0

@@ -128,7 +128,7 @@ def load_pairs(path: Path, shard_set: ShardSet) -> tuple[str, np.ndarray, np.nda
     if path.suffix not in readers:
         raise FacepipeError(f"{path}: unknown pairs format; expected split's .jsonl or an LFW-style .txt")
     kind, resolve = readers[path.suffix]
-    indexes, same = resolve(path.read_text(), path, shard_set)
+    indexes, same = resolve(path.read_text(encoding="utf-8"), path, shard_set)
     return kind, indexes, same
 
 
@@ -249,7 +249,7 @@ def run(
         pairs_format=kind,
     )
     with atomic_output_dir(out, kind=EVALUATE_OUTPUT) as tmp:
-        (tmp / METRICS_FILE).write_text(dumps(metrics))
+        (tmp / METRICS_FILE).write_text(dumps(metrics), encoding="utf-8")
         _write_curves(tmp, result, metrics)
     for note in metrics["notes"]:
         log.info("evaluate: %s", note)
@@ -272,8 +272,8 @@ def _check_faces_match(spec: ModelSpec, manifest: dict[str, Any], *, prepared: s
 def _write_curves(folder: Path, result: VerificationResult, metrics: dict[str, Any]) -> None:
     """roc.csv, roc.png and thresholds.json of one evaluation into ``folder``."""
     folder.mkdir(exist_ok=True)
-    (folder / ROC_FILE).write_text(roc_csv(result))
-    (folder / THRESHOLDS_FILE).write_text(dumps(thresholds_dict(result)))
+    (folder / ROC_FILE).write_text(roc_csv(result), encoding="utf-8")
+    (folder / THRESHOLDS_FILE).write_text(dumps(thresholds_dict(result)), encoding="utf-8")
     fpr, tpr, _ = thin_roc(result.roc_fpr, result.roc_tpr, result.roc_thresholds)
     roc_png(fpr, tpr, folder / ROC_PLOT, title=_roc_title(metrics))
 
@@ -362,7 +362,7 @@ def run_bin_sets(
         )
     metrics = {"sets": per_set}
     with atomic_output_dir(out, kind=BIN_SETS_OUTPUT) as tmp:
-        (tmp / METRICS_FILE).write_text(dumps(metrics))
+        (tmp / METRICS_FILE).write_text(dumps(metrics), encoding="utf-8")
         for name, result in results.items():
             _write_curves(tmp / name, result, per_set[name])
     return metrics

@@ -82,7 +82,7 @@ def run(params: ExportParams, model_dir: str | Path, out: str | Path) -> dict[st
                 **({"opset": params.opset} if fmt == "onnx" else {"method": "trace"}),
             }
         report = _report(params, spec, files)
-        (tmp / REPORT_FILE).write_text(dumps(report))
+        (tmp / REPORT_FILE).write_text(dumps(report), encoding="utf-8")
     return report
 
 

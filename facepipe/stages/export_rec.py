@@ -55,7 +55,7 @@ def run(prepared: str | Path, out: str | Path, *, progress: bool = True) -> dict
             for label in range(k):
                 first, end = (int(ends[label - 1]) if label else 1), int(ends[label])
                 writer.write(n + 1 + label, pack(IRHeader(2, (float(first), float(end)), n + 1 + label), b""))
-        (tmp / "property.txt").write_text(f"{k},{size},{size}\n")
+        (tmp / "property.txt").write_text(f"{k},{size},{size}\n", encoding="utf-8")
         summary = {
             "format": EXPORT_FORMAT,
             "version": 1,
@@ -65,7 +65,7 @@ def run(prepared: str | Path, out: str | Path, *, progress: bool = True) -> dict
             "source_manifest_sha256": sha256_file(prepared / "manifest.json"),
             "identities": shard_set.identities,  # label -> name: packs carry numbers only
         }
-        (tmp / "export.json").write_text(dumps(summary))
+        (tmp / "export.json").write_text(dumps(summary), encoding="utf-8")
     return summary
 
 

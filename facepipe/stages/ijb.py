@@ -164,11 +164,12 @@ def run(
     metrics, (fpr, tpr, thresholds) = ijb_metrics(params, protocol, features)
     at = metrics.pop("thresholds")
     with atomic_output_dir(out, kind=IJB_OUTPUT) as tmp:
-        (tmp / METRICS_FILE).write_text(dumps(metrics))
-        (tmp / ROC_FILE).write_text(roc_csv_rows(fpr, tpr, thresholds))
+        (tmp / METRICS_FILE).write_text(dumps(metrics), encoding="utf-8")
+        (tmp / ROC_FILE).write_text(roc_csv_rows(fpr, tpr, thresholds), encoding="utf-8")
         (tmp / THRESHOLDS_FILE).write_text(
             dumps({"score": "cosine similarity of template features", "accept": "same person when score >= threshold",
-                   "thresholds": at})
+                   "thresholds": at}),
+            encoding="utf-8",
         )
         thin = thin_roc(fpr, tpr, thresholds)
         roc_png(thin[0], thin[1], tmp / ROC_PLOT, title=f"{protocol.target.upper()} 1:1, AUC {metrics['auc']:.4f}")

@@ -110,7 +110,7 @@ def _export_names(path: Path) -> tuple[str, ...] | None:
     from facepipe.stages.export_rec import EXPORT_FORMAT
 
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         names = data["identities"] if data.get("format") == EXPORT_FORMAT else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
@@ -408,7 +408,7 @@ def run(
         if bins:
             copy_bin_files(bins, bin_entries, builder.root)
             manifest[MANIFEST_KEY] = bin_entries
-        (builder.root / "manifest.json").write_text(dumps(manifest))
+        (builder.root / "manifest.json").write_text(dumps(manifest), encoding="utf-8")
         return manifest
 
     def report(built: Built) -> dict[str, Any]:

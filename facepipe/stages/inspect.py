@@ -27,7 +27,7 @@ def summarize(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     shard_bytes = {s["file"]: shard_path(root, s["file"]).stat().st_size for s in shard_set.manifest["shards"]}
     report_path = root / "report.json"
-    payload = json.loads(report_path.read_text()).get("payload_bytes") if report_path.is_file() else None
+    payload = json.loads(report_path.read_text(encoding="utf-8")).get("payload_bytes") if report_path.is_file() else None
     if payload is None:
         payload = sum(len(reader.record(i).payload) for reader in shard_set.readers for i in range(len(reader)))
     reasons: Counter[str] = Counter()

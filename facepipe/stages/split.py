@@ -82,10 +82,10 @@ def run(params: SplitParams, prepared: str | Path, out: str | Path) -> dict[str,
         "notes": sampled.notes,
     }
     with atomic_output_dir(out, kind=SPLIT_OUTPUT) as tmp:
-        (tmp / TRAIN_FILE).write_text(dumps([name for name, val in zip(names, is_val) if not val]))
-        (tmp / VAL_FILE).write_text(dumps([name for name, val in zip(names, is_val) if val]))
-        (tmp / PAIRS_FILE).write_text(format_pairs_jsonl(pairs))
-        (tmp / SUMMARY_FILE).write_text(dumps(summary))
+        (tmp / TRAIN_FILE).write_text(dumps([name for name, val in zip(names, is_val) if not val]), encoding="utf-8")
+        (tmp / VAL_FILE).write_text(dumps([name for name, val in zip(names, is_val) if val]), encoding="utf-8")
+        (tmp / PAIRS_FILE).write_text(format_pairs_jsonl(pairs), encoding="utf-8")
+        (tmp / SUMMARY_FILE).write_text(dumps(summary), encoding="utf-8")
     for note in sampled.notes:
         log.warning("split: %s", note)
     return summary

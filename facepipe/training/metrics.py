@@ -48,13 +48,13 @@ def _files_only_live() -> type[Live]:
 def trim_history(directory: str | Path, *, last_step: int) -> None:
     """Drop metric rows after ``last_step`` (logged after the checkpoint a resumed run restarts from)."""
     for path in (Path(directory) / "plots" / "metrics").rglob("*.tsv"):
-        with open(path, newline="") as handle:
+        with open(path, newline="", encoding="utf-8") as handle:
             rows = list(csv.DictReader(handle, delimiter="\t"))
             fields = list(rows[0]) if rows else None
         if fields is None:
             continue
         kept = [row for row in rows if int(float(row["step"])) <= last_step]
-        with open(path, "w", newline="") as handle:
+        with open(path, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=fields, delimiter="\t")
             writer.writeheader()
             writer.writerows(kept)

@@ -83,7 +83,7 @@ class Validator:
         path = directory / "plots" / "metrics" / f"{MEAN}.tsv"
         if not path.is_file():
             return
-        with open(path, newline="") as handle:
+        with open(path, newline="", encoding="utf-8") as handle:
             for row in csv.DictReader(handle, delimiter="\t"):
                 self._consider(int(float(row["step"])), float(row["mean_accuracy"]))
 
