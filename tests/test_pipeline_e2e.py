@@ -120,8 +120,8 @@ def experiment(project):
     start.mkdir()
     for name in ("backbone.pt", "model.json"):
         shutil.copy(root / "data" / "model" / name, start / name)
-    cmd = [sys.executable, "-m", "dvc", "exp", "run", "-S", "train.epochs=2", "-S", "train.init_from=data/pretrained/start"]
-    return start, run(cmd, root, env)
+    changes = ["-S", "train.epochs=2", "-S", "train.init_from=data/pretrained/start"]
+    return start, run([sys.executable, "-m", "dvc", "exp", "run", *changes], root, env)
 
 
 def test_an_experiment_with_a_changed_parameter(project, experiment):
