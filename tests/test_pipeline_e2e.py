@@ -111,26 +111,35 @@ def test_metrics_and_plots_render_offline(project):
     assert "roc.csv" in html and "loss" in html
 
 
-def test_an_experiment_with_a_changed_parameter(project):
+@pytest.fixture(scope="module")
+def experiment(project):
+    """One ``dvc exp run`` with two changed parameters, checked by the two tests below: a changed
+    parameter (train.epochs) and a pretrained start (train.init_from, a copy of the baseline model)."""
     root, env, _ = project
-    result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "train.epochs=2"], root, env)
+    start = root / "data" / "pretrained" / "start"
+    start.mkdir()
+    for name in ("backbone.pt", "model.json"):
+        shutil.copy(root / "data" / "model" / name, start / name)
+    changes = ["-S", "train.epochs=2", "-S", "train.init_from=data/pretrained/start"]
+    return start, run([sys.executable, "-m", "dvc", "exp", "run", *changes], root, env)
+
+
+def test_an_experiment_with_a_changed_parameter(project, experiment):
+    root, env, _ = project
+    _, result = experiment
     assert "Running stage 'train'" in result.stdout and "Running stage 'prepare'" not in result.stdout
     assert yaml.safe_load((root / "params.yaml").read_text())["train"]["epochs"] == 2
     model_metrics = json.loads((root / "data/model/metrics.json").read_text())
     assert model_metrics, "training metrics were written"
 
 
-def test_an_experiment_starting_from_a_pretrained_model(project):
+def test_an_experiment_starting_from_a_pretrained_model(project, experiment):
     """``dvc exp run -S train.init_from=...`` trains from the file, records it in model.json, and the file
     is a dependency: other bytes in data/pretrained make train stale."""
     import hashlib
 
     root, env, _ = project
-    start = root / "data" / "pretrained" / "start"
-    start.mkdir()
-    for name in ("backbone.pt", "model.json"):
-        shutil.copy(root / "data" / "model" / name, start / name)
-    result = run([sys.executable, "-m", "dvc", "exp", "run", "-S", "train.init_from=data/pretrained/start"], root, env)
+    start, result = experiment
     assert "Running stage 'train'" in result.stdout and "Running stage 'prepare'" not in result.stdout
     spec = json.loads((root / "data" / "model" / "model.json").read_text())
     digest = hashlib.sha256((start / "backbone.pt").read_bytes()).hexdigest()
