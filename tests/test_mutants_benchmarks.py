@@ -123,6 +123,10 @@ def forged_refusals() -> dict[str, tuple[Any, str]]:
             (FACES, array((3,), dtype("i2", (3, "<")), b"\x01\x00\x00\x00")),
             "holds a numpy array of shape (3,) with 4 bytes of data",
         ),
+        "short data, C order": (
+            (FACES, array((2, 3), dtype("b1", (3, "|")), b"\x01\x00")),
+            "holds a numpy array of shape (2, 3) with 2 bytes of data",
+        ),
         "short data, Fortran order": (
             (FACES, array((2, 3), dtype("b1", (3, "|")), b"\x01\x00", fortran=True)),
             "holds a numpy array of shape (3, 2) with 2 bytes of data",
@@ -402,10 +406,12 @@ def test_the_threshold_at_a_far_is_read_off_the_piecewise_linear_curve() -> None
     assert protocol._threshold_at_far(far, thresholds, 0.2) == pytest.approx(1.5, abs=1e-15)
     assert protocol._threshold_at_far(far, thresholds, 0.1) == 1.0  # on a knot: that knot's threshold
     assert protocol._threshold_at_far(far, thresholds, 0.0) == 0.0
+    assert protocol._threshold_at_far(far, thresholds, 0.05) == pytest.approx(0.5, abs=1e-15)  # on the first segment
     assert protocol._threshold_at_far(far, thresholds, 0.3) == 3.0  # the last of equal FARs
     assert protocol._threshold_at_far(far, thresholds, 0.31) == 0.0  # never reached
     assert protocol._threshold_at_far(np.array([0.1, 0.2, 0.4, 0.6]), thresholds, 0.05) == 0.0  # below the first
     assert protocol._threshold_at_far(np.array([0.1, 0.2, 0.4, 0.6]), thresholds, 0.5) == pytest.approx(2.5, abs=1e-15)
+    assert protocol._threshold_at_far(far, thresholds / 2, 0.2) == pytest.approx(0.75, abs=1e-15)  # a grid step of 0.5
     assert protocol._threshold_at_far(np.array([0.1, 0.2, 0.4, 0.6]), np.array([5.0, 6.0, 7.0, 8.0]), 0.05) == 5.0
 
 
@@ -415,6 +421,9 @@ def test_val_and_far_count_strictly_below_the_threshold() -> None:
     val, far = protocol._val_far(distances, same, np.array([1.0, 1.5, 2.5]))
     np.testing.assert_allclose(val, [1 / 3, 2 / 3, 1.0], rtol=1e-15)
     np.testing.assert_allclose(far, [0.0, 0.5, 1.0], rtol=1e-15)
+    # one pair of each kind: divided by 1
+    val, far = protocol._val_far(np.array([0.5, 1.0]), np.array([True, False]), np.array([0.75, 1.5]))
+    assert (val.tolist(), far.tolist()) == ([1.0, 1.0], [0.0, 1.0])
     # no different pairs (or no same ones): divided by 1, not by 0
     val, far = protocol._val_far(distances[:2], same[:2], np.array([2.0]))
     assert (val.tolist(), far.tolist()) == ([1.0], [0.0])
@@ -437,3 +446,73 @@ def test_the_result_names_its_target_and_every_fold() -> None:
     assert protocol.ACCURACY_THRESHOLDS[[0, 1, -1]].tolist() == pytest.approx([0.0, 0.01, 3.99], abs=1e-12)
     assert protocol.VAL_THRESHOLDS[[0, 1, -1]].tolist() == pytest.approx([0.0, 0.001, 3.999], abs=1e-12)
     assert len(protocol.ACCURACY_THRESHOLDS) == 400 and len(protocol.VAL_THRESHOLDS) == 4000 and protocol.VAL_FAR == 1e-3
+
+
+def test_python2_style_byte_strings_in_dtypes_orders_and_codecs(tmp_path: Path) -> None:
+    """Python 2 files are loaded with encoding="bytes": dtype names, byte orders, array orders and
+    codec names arrive as bytes and are read as ASCII (anything else shown, not crashed on)."""
+    labels = array((2,), dtype(b"i1", (3, b"|")), b"\x01\x00")  # type: ignore[arg-type]
+    assert labels_of(write(tmp_path / "a.bin", (FACES, labels), protocol=4)) == [True, False]
+    fortran = Forge(_frombuffer, (b"\x01\x00", dtype(b"b1", (3, b"|")), (2,), b"F"))  # type: ignore[arg-type]
+    assert labels_of(write(tmp_path / "f.bin", (FACES, fortran), protocol=4)) == [True, False]
+    latin = [Forge(codecs.encode, (FACES[0].decode("latin-1"), b"latin-1")), *FACES[1:]]
+    assert read_bin_set(write(tmp_path / "l.bin", (latin, [True, False]), protocol=4)).images == tuple(FACES)
+    odd = array((2,), dtype(b"\xff1", (3, b"|")), b"\x01\x00")  # type: ignore[arg-type]
+    assert refusal(write(tmp_path / "o.bin", (FACES, odd), protocol=4)) == (
+        "holds a numpy array of dtype '\ufffd1'; only bool and integer arrays are read"
+    )
+
+
+def test_a_dtype_without_a_state_is_byte_order_free(tmp_path: Path) -> None:
+    labels = array((2,), dtype("b1", None), b"\x01\x00")  # numpy.dtype("b1", False, True), no __setstate__
+    assert labels_of(write(tmp_path / "s.bin", (FACES, labels), protocol=4)) == [True, False]
+
+
+def test_an_error_without_a_message_is_named_by_its_type(tmp_path: Path) -> None:
+    """A memo index near 2**31 makes the unpickler grow its memo past a 3 GiB address-space limit:
+    a MemoryError, whose message is empty. Run in a child process (the limit must not reach pytest)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "memo.bin").write_bytes(b"\x80\x02Nr\xff\xff\xff\x7f.")  # None, LONG_BINPUT 2**31 - 1
+    code = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))\n"
+        "from facepipe.io.insightface_bin import read_bin_set\n"
+        "try:\n"
+        "    read_bin_set(sys.argv[1])\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, str(error))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "memo.bin")], capture_output=True, text=True, timeout=120)
+    expected = f"ForeignFileError {tmp_path / 'memo.bin'}: is not a readable pickle (MemoryError: )"
+    assert result.stdout.strip() == expected, result.stdout + result.stderr[-2000:]
+
+
+def test_labels_are_bools_whatever_they_were_stored_as(tmp_path: Path) -> None:
+    for name, labels in {"list": [True, 0], "int array": np.array([1, 0], dtype=np.int64), "tuple": (1, 0)}.items():
+        same = read_bin_set(write(tmp_path / "s.bin", (FACES, labels), protocol=4)).same
+        assert same.dtype == bool and same.tolist() == [True, False], name
+
+
+def test_a_python2_pickle_of_non_ascii_str_payloads(tmp_path: Path) -> None:
+    # Python 2's pickle.dumps((['\xff\xd8\xe9', 'ab'], [True]), 2): SHORT_BINSTRING payloads, read as bytes
+    payloads = [b"\xff\xd8\xe9", b"ab"]
+    body = b"\x80\x02]q\x00(" + b"".join(b"U" + bytes([len(p)]) + p for p in payloads) + b"e]q\x01\x88a\x86q\x02."
+    (tmp_path / "py2.bin").write_bytes(body)
+    assert read_bin_set(tmp_path / "py2.bin").images == tuple(payloads)
+
+
+def test_a_small_set_equals_the_reference_with_the_default_ten_folds_and_int_labels() -> None:
+    """60 noisy pairs against test_insightface_protocol's reference (insightface's loops), and the
+    same labels given as 0/1 integers."""
+    from test_insightface_protocol import _structured, reference
+
+    embeddings, issame = _structured(60, seed=5, noise=0.9)
+    result = protocol.insightface_verification(embeddings[0::2], embeddings[1::2], issame)
+    assert len(result.fold_accuracies) == 10 and result.far_target == 1e-3
+    got = (result.accuracy_mean, result.accuracy_std, result.val, result.val_std, result.far)
+    np.testing.assert_allclose(got, reference(embeddings, issame), rtol=0, atol=1e-12)
+    assert 0.5 < result.accuracy_mean < 1
+    as_ints = protocol.insightface_verification(embeddings[0::2], embeddings[1::2], issame.astype(np.int64))
+    assert as_ints == result

@@ -133,3 +133,19 @@ def test_without_keep_best_nothing_is_written(validation_sets, tmp_path: Path) -
     check = validator(validation_sets[:1], tmp_path / "out", keep_best=False)
     assert check.validate(tiny_backbone(0), 3)["best_step"] == 3.0
     assert not (tmp_path / "out").exists()
+
+
+def test_keep_best_makes_the_output_folder_and_overwrites_a_resumed_runs_best(validation_sets, tmp_path: Path) -> None:
+    out = tmp_path / "not" / "yet"
+    assert validator(validation_sets[:1], out).validate(tiny_backbone(0), 3)["best_step"] == 3.0
+    assert (out / "best" / "backbone.pt").is_file()
+    # a resumed run: best/ is there from before, the kept history's best was 0.0 at step 3
+    history = out / "plots" / "metrics" / "val" / "mean_accuracy.tsv"
+    history.parent.mkdir(parents=True)
+    history.write_text("timestamp\tstep\tmean_accuracy\n1\t3\t0.0\n")
+    resumed = validator(validation_sets[:1], out)
+    resumed.recover(out)
+    other = tiny_backbone(1)
+    assert resumed.validate(other, 6)["best_step"] == 6.0
+    saved = torch.load(out / "best" / "backbone.pt", weights_only=True)
+    assert all(torch.equal(saved[k], v) for k, v in other.state_dict().items())
