@@ -316,6 +316,10 @@ def test_damaged_meta_files_are_refused_whole(tmp_path: Path) -> None:
             f"{points}: could not convert string to float: 'y'",
         ),
         "a template id 1.5": ({"face_tid_mid": FACES_TXT.replace("c.jpg 2", "c.jpg 1.5")}, f"{faces}: invalid literal for int() with base 10: '1.5'"),
+        "a template id past int64": (
+            {"face_tid_mid": FACES_TXT.replace("c.jpg 2", "c.jpg 100000000000000000000")},
+            f"{faces}: Python int too large to convert to C long",
+        ),
         "an image twice": ({"face_tid_mid": FACES_TXT + "a.jpg 2 12\n"}, f"{faces}: an image is listed twice"),
         "an image without points": (
             {"face_tid_mid": FACES_TXT + "d.jpg 2 12\n"},
