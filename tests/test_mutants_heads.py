@@ -304,9 +304,9 @@ def test_softmax_margin_ignores_margin_and_passes_logits_through() -> None:
     logits = torch.tensor([[1.5, -2.0], [0.25, 3.0]])
     assert margin(logits, torch.tensor([0, 1]), torch.tensor([1.5, 3.0])) is logits
     assert margin.target_logit(logits) is logits
-    head = create_head("softmax", embedding_size=3, num_classes=4, scale=8.0, margin=0.3)
+    head = create_head("softmax", embedding_size=3, num_classes=5, scale=8.0, margin=0.3)
     assert head.margin.margin == 0.0
-    assert head.extra_repr() == "embedding_size=3, num_classes=4, scale=8.0"
+    assert head.extra_repr() == "embedding_size=3, num_classes=5, scale=8.0"
 
 
 def test_affine_logits_are_float32_or_float64_outside_autocast() -> None:
@@ -319,6 +319,8 @@ def test_affine_logits_are_float32_or_float64_outside_autocast() -> None:
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         got = affine_logits(embeddings.to(dtype), weight.float())
         assert got.dtype == torch.float32 and torch.equal(got, expected.float()), dtype
+    got = affine_logits(embeddings.float(), weight)  # a float64 head, float32 embeddings: float32
+    assert got.dtype == torch.float32 and torch.equal(got, expected.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = affine_logits(embeddings.float() / 3, weight.float() / 7)
     assert got.dtype == torch.float32
