@@ -286,3 +286,92 @@ def test_factories_pass_the_seed_and_arcface_takes_the_linear_branch_from_the_bo
     m = 0.5
     boundary = torch.tensor([math.cos(math.pi - m)], dtype=torch.float64)
     torch.testing.assert_close(angular_target(boundary, m), boundary - m * math.sin(m))
+
+
+# --- softmax (facenet-pytorch's classifier), dense and sharded ------------------------------------------
+
+
+def softmax_reference(weight: torch.Tensor, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a linear layer whose rows are ``weight[:, :-1]`` and bias ``weight[:, -1]``."""
+    return F.cross_entropy(embeddings @ weight[:, :-1].T + weight[:, -1], labels)
+
+
+def test_softmax_margin_ignores_margin_and_passes_logits_through() -> None:
+    from facepipe.heads import SoftmaxLogits
+
+    margin = SoftmaxLogits(0.7)
+    assert margin.margin == 0.0 and margin.angular is False and repr(margin) == "SoftmaxLogits(margin=0.0)"
+    logits = torch.tensor([[1.5, -2.0], [0.25, 3.0]])
+    assert margin(logits, torch.tensor([0, 1]), torch.tensor([1.5, 3.0])) is logits
+    assert margin.target_logit(logits) is logits
+    head = create_head("softmax", embedding_size=3, num_classes=5, scale=8.0, margin=0.3)
+    assert head.margin.margin == 0.0
+    assert head.extra_repr() == "embedding_size=3, num_classes=5, scale=8.0"
+
+
+def test_affine_logits_are_float32_or_float64_outside_autocast() -> None:
+    from facepipe.heads.margins import affine_logits
+
+    weight = torch.tensor([[1.0, 2.0, 0.5], [-1.0, 0.0, -0.25]], dtype=torch.float64)
+    embeddings = torch.tensor([[3.0, 1.0], [0.0, -2.0]], dtype=torch.float64)
+    expected = torch.tensor([[5.5, -3.25], [-3.5, -0.25]], dtype=torch.float64)
+    assert torch.equal(affine_logits(embeddings, weight), expected)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        got = affine_logits(embeddings.to(dtype), weight.float())
+        assert got.dtype == torch.float32 and torch.equal(got, expected.float()), dtype
+    got = affine_logits(embeddings.float(), weight)  # a float64 head, float32 embeddings: float32
+    assert got.dtype == torch.float32 and torch.equal(got, expected.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = affine_logits(embeddings.float() / 3, weight.float() / 7)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, (embeddings / 3) @ (weight[:, :2] / 7).T + weight[:, 2] / 7, rtol=1e-6, atol=0, check_dtype=False)
+
+
+def test_softmax_head_initial_rows_are_the_centres_and_a_zero_bias(one_rank_group: None) -> None:
+    from facepipe.heads.centres import init_centres
+    from facepipe.heads.dense import initial_rows
+
+    dense = create_head("softmax", embedding_size=4, num_classes=6, seed=3)
+    sharded = create_model_parallel_head("softmax", embedding_size=4, num_classes=6, seed=3)
+    centres = init_centres(0, 6, embedding_size=4, seed=3)
+    for weight in (dense.weight.detach(), sharded.weight.detach()):
+        assert weight.shape == (6, 5) and torch.equal(weight[:, :4], centres) and torch.equal(weight[:, 4], torch.zeros(6))
+    assert torch.equal(initial_rows(dense.margin, 2, 3, embedding_size=4, seed=3)[:, :4], centres[2:5])
+    assert initial_rows(create_head("arcface", embedding_size=4, num_classes=1).margin, 0, 6, embedding_size=4, seed=3).shape == (6, 4)
+    assert sharded.extra_repr() == (
+        "embedding_size=4, num_classes=6, scale=64.0, sample_rate=1.0, classes=[0, 6) of rank 0/1"
+    )
+
+
+@pytest.mark.parametrize("sample_rate", [1.0, 0.5])
+def test_one_rank_sharded_softmax_is_the_linear_cross_entropy(one_rank_group: None, sample_rate: float) -> None:
+    torch.manual_seed(0)
+    sharded = create_model_parallel_head("softmax", embedding_size=5, num_classes=8, sample_rate=sample_rate).double()
+    dense = create_head("softmax", embedding_size=5, num_classes=8).double()
+    weight = torch.randn(8, 6, dtype=torch.float64)
+    sharded.load_full_weight(weight)
+    with torch.no_grad():
+        dense.weight.copy_(weight)
+    embeddings = torch.randn(6, 5, dtype=torch.float64) * torch.tensor([[0.1], [1.0], [10.0], [3.0], [1.0], [2.0]])
+    labels = torch.tensor([0, 6, 3, 3, 1, 5])
+    sharded.sample_key = (0, 0)
+    ours = embeddings.clone().requires_grad_(True)
+    output = sharded.loss_and_correct(ours, labels)
+    output.loss.backward()
+    rows = sharded.last_index if sample_rate < 1 else torch.arange(8)
+    local = torch.searchsorted(rows, labels)
+    theirs = embeddings.clone().requires_grad_(True)
+    sub = weight[rows].clone().requires_grad_(True)
+    reference = softmax_reference(sub, theirs, local)
+    reference.backward()
+    torch.testing.assert_close(output.loss, reference, rtol=0, atol=1e-13)
+    logits = theirs.detach() @ sub.detach()[:, :-1].T + sub.detach()[:, -1]
+    assert output.correct.item() == (logits.argmax(1) == local).sum().item() and output.samples == 6
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=0, atol=1e-13)
+    torch.testing.assert_close(sharded.weight.grad[rows], sub.grad, rtol=0, atol=1e-13)
+    dense_output = dense.loss_and_correct(embeddings, labels)
+    if sample_rate == 1.0:
+        torch.testing.assert_close(output.loss, dense_output.loss, rtol=0, atol=1e-13)
+        assert dense_output.correct.item() == output.correct.item()
+    else:
+        assert len(rows) < 8

@@ -130,3 +130,62 @@ def test_freeze_epochs_on_two_processes_keep_the_backbone_and_the_heads_in_step(
     assert frozen["epoch"] == 1
     initial = torch.load(start, weights_only=True)
     assert all(torch.equal(frozen["backbone"][key], initial[key]) for key in initial)
+
+
+def test_freeze_epochs_with_the_sharded_head_keep_both_ranks_backbones_while_the_shards_train(tmp_path):
+    """Partial FC (head_parallel sharded, sample_rate 0.5) on 2 processes: in the frozen epoch the backbone
+    bypasses DDP and autograd and its BatchNorm runs in eval mode, so on both ranks its weights, running
+    statistics and batch counts stay bit-identical to the init file while each rank's own shard of
+    centres trains; after it the backbone trains, and the ranks' backbones stay equal."""
+    from facepipe.heads import create_head
+    from facepipe.models import create_backbone
+
+    shard_set = synthetic_set(tmp_path / "set", identities=4, per_identity=16)  # 4 classes: 2 per rank
+    torch.manual_seed(5)
+    backbone = create_backbone("mobilefacenet", embedding_size=16, image_size=16)
+    generator = torch.Generator().manual_seed(6)
+    for norm in backbone.modules():  # statistics away from (0, 1): a frozen forward depends on them
+        if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
+            norm.running_mean.copy_(torch.randn(norm.running_mean.shape, generator=generator) * 0.1)
+            norm.running_var.copy_(torch.rand(norm.running_var.shape, generator=generator) + 0.5)
+            norm.num_batches_tracked.fill_(7)
+    start = tmp_path / "start.pth"
+    torch.save(backbone.state_dict(), start)
+    params = write_params(
+        tmp_path / "params.yaml", epochs=2, freeze_epochs=1, batch_size=4, reference_batch=8, init_from=str(start),
+        head_parallel="sharded", sample_rate=0.5, seed=11,
+    )
+    out = tmp_path / "model"
+
+    def train(ranks: Path, *limit: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", str(PROBE), "--dump-params", str(ranks),
+               "--with-buffers", "--", "train", str(shard_set), str(out), "--params", str(params), *limit]
+        result = run_process(cmd, timeout=240)
+        assert result.returncode == 0, result.stdout[-4000:]
+        return load_weights(ranks / "rank-0.pt"), load_weights(ranks / "rank-1.pt")
+
+    initial = torch.load(start, weights_only=True)
+    centres = create_head("cosface", embedding_size=16, num_classes=4, seed=11).weight.detach()
+    # the frozen epoch: 64 samples / (2 x 4) = 8 steps, then stop
+    rank0, rank1 = train(tmp_path / "frozen", "--max-steps", "8")
+    frozen = torch.load(out / "checkpoints" / "step-00000008.pt", weights_only=True)
+    assert frozen["epoch"] == 1 and frozen["world_size"] == 2
+    for rank, state in enumerate((rank0, rank1)):
+        backbone_keys = sorted(key.removeprefix("backbone.") for key in state if key.startswith("backbone."))
+        assert backbone_keys == sorted(initial), rank
+        changed = [key for key in initial if not torch.equal(state[f"backbone.{key}"], initial[key])]
+        assert changed == [], (rank, changed)  # weights, running means and variances, batch counts
+        shard = centres[2 * rank : 2 * rank + 2]
+        assert state["head.weight"].shape == shard.shape and not torch.equal(state["head.weight"], shard), rank
+    # the checkpoint gathers both shards, in class order
+    assert torch.equal(frozen["head"]["weight"], torch.cat([rank0["head.weight"], rank1["head.weight"]]))
+    assert all(torch.equal(frozen["backbone"][key], initial[key]) for key in initial)
+
+    # resumed to the end: the second epoch trains the backbone, the same on both ranks
+    rank0, rank1 = train(tmp_path / "trained")
+    assert torch.load(out / "checkpoints" / "step-00000016.pt", weights_only=True)["epoch"] == 2
+    backbone_keys = [key for key in rank0 if key.startswith("backbone.")]
+    moved = [key for key in backbone_keys if not torch.equal(rank0[key], initial[key.removeprefix("backbone.")])]
+    assert any(key.endswith("running_mean") for key in moved) and any(key.endswith(".weight") for key in moved)
+    assert [key for key in backbone_keys if not torch.equal(rank0[key], rank1[key])] == []
+    assert not torch.equal(rank0["head.weight"], rank1["head.weight"])  # each rank its own classes

@@ -7,7 +7,8 @@ is in place (a real kill in the middle of training, not a clean exit). ``--kill-
 only the process of that rank dies (one that writes nothing waits until rank 0's file is in place).
 Under torchrun only the first attempt dies, so a group that ``--max-restarts`` restarts runs on.
 ``--dump-params DIR``: after training, every rank saves its parameters to DIR/rank-R.pt, so that a
-test can compare the ranks of a torchrun job.
+test can compare the ranks of a torchrun job; with ``--with-buffers`` its buffers too (BatchNorm's
+running statistics and batch counts: the whole state dict).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ if __name__ == "__main__":
     parser.add_argument("--kill-after-checkpoint", type=int, default=None)
     parser.add_argument("--kill-rank", type=int, default=0)
     parser.add_argument("--dump-params", type=Path, default=None)
+    parser.add_argument("--with-buffers", action="store_true")
     args, rest = parser.parse_known_args()
     rest = rest[1:] if rest[:1] == ["--"] else rest
     if args.kill_after_checkpoint is not None:
@@ -69,6 +71,7 @@ if __name__ == "__main__":
     code = main(rest)
     if args.dump_params and models:
         args.dump_params.mkdir(parents=True, exist_ok=True)
-        state = {name: p.detach().cpu() for name, p in models[-1].named_parameters()}
+        named = models[-1].state_dict().items() if args.with_buffers else models[-1].named_parameters()
+        state = {name: p.detach().cpu() for name, p in named}
         torch.save(state, args.dump_params / f"rank-{os.environ.get('RANK', '0')}.pt")
     sys.exit(code)

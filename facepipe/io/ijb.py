@@ -72,7 +72,7 @@ def _rows(path: Path, columns: int) -> list[list[str]]:
 def _numbers(path: Path, rows: list[list[str]], kind: type) -> np.ndarray:
     try:
         return np.asarray([[kind(v) for v in row] for row in rows], dtype=np.float64 if kind is float else np.int64)
-    except ValueError as error:
+    except (ValueError, OverflowError) as error:  # not a number; an id past int64
         raise ForeignFileError(f"{path}: {error}") from None
 
 
