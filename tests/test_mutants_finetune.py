@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from facepipe.models.backbone import WeightsError
-from facepipe.models.pretrained import InitRecord, file_sha256, load_init_weights, weights_file
+from facepipe.io.shards import sha256_file as file_sha256
+from facepipe.models.pretrained import InitRecord, load_init_weights, weights_file
 
 
 class FacenetLike(nn.Module):

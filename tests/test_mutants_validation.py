@@ -20,6 +20,7 @@ from facepipe.config import EvaluateParams, ValidationParams
 from facepipe.io.model_dir import ModelSpec, Normalization, save_model_dir
 from facepipe.models import create_backbone
 from facepipe.stages import evaluate
+from facepipe.io.validation_sets import BinFile
 from facepipe.training.validation import Validator
 
 SIZE = 16
@@ -59,7 +60,8 @@ def tiny_backbone(seed: int) -> nn.Module:
 
 def validator(sets: tuple[Path, ...], out: Path, *, keep_best: bool = True, every: int = 3) -> Validator:
     params = ValidationParams(sets=tuple(map(str, sets)), every_steps=every, batch_size=7)
-    return Validator(params, image_size=SIZE, device=torch.device("cpu"), out=out, keep_best=keep_best, spec=SPEC)
+    files = [BinFile(Path(path)) for path in sets]
+    return Validator(params, files=files, image_size=SIZE, device=torch.device("cpu"), out=out, keep_best=keep_best, spec=SPEC)
 
 
 def test_validation_measures_what_evaluate_measures_on_the_same_sets(validation_sets, tmp_path: Path) -> None:
