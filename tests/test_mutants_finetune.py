@@ -123,6 +123,7 @@ def test_a_facenet_file_with_only_a_classifier_bias_or_none(tmp_path: Path, capl
     record = load_init_weights(FacenetLike(), tmp_path / "bias.pt")
     assert record.dropped == "logits.bias (None classes)"
     torch.save(state, tmp_path / "plain.pt")
+    caplog.clear()  # the first load may be captured too, when an earlier test left facepipe's loggers at INFO
     with caplog.at_level(logging.INFO, logger="facepipe.models"):
         record = load_init_weights(FacenetLike(), tmp_path / "plain.pt")
     assert (record.kind, record.dropped, record.file) == ("facenet-pytorch", None, "plain.pt")
@@ -139,6 +140,7 @@ def test_facepipe_and_arcface_torch_files(tmp_path: Path, caplog: pytest.LogCapt
         assert record.as_dict() == {"kind": "facepipe", "file": "backbone.pt", "sha256": file_sha256(folder / "backbone.pt")}
     torch.save(state, tmp_path / "backbone.pth")
     module = ArcfaceLike()
+    caplog.clear()  # the loads above may be captured too, when an earlier test left facepipe's loggers at INFO
     with caplog.at_level(logging.INFO, logger="facepipe.models"):
         record = load_init_weights(module, tmp_path / "backbone.pth")
     check_loaded(module, state)
