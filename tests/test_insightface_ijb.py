@@ -70,8 +70,11 @@ def test_collinear_points_are_dropped_as_scikit_learn_drops_them() -> None:
     # thresholds 6..1 give (fp, tp) = (0,1) (0,2) (0,3) (1,3) (2,3) (3,3): the first and last stay, and
     # the one corner (0,3); (0,0) goes in front
     assert fpr.tolist() == [0, 0, 0, 1] and tpr.tolist() == pytest.approx([0, 1 / 3, 1, 1])
+    # three thresholds on one line, (0,1) (1,2) (2,3): the middle one goes too
+    fpr, tpr = sklearn_roc(np.array([3.0, 2, 2, 1, 1]), np.array([1, 1, 0, 1, 0], dtype=bool))
+    assert fpr.tolist() == [0, 0, 1] and tpr.tolist() == pytest.approx([0, 1 / 3, 1])
 
 
 def test_one_kind_only_is_refused() -> None:
-    with pytest.raises(ValueError, match="both same and different"):
+    with pytest.raises(ValueError, match="^a ROC curve needs both same and different pairs$"):
         sklearn_roc(np.array([0.1, 0.2]), np.array([True, True]))

@@ -23,7 +23,7 @@ def sklearn_roc(scores: np.ndarray, same: np.ndarray) -> tuple[np.ndarray, np.nd
     same = np.asarray(same, dtype=bool)
     if same.all() or not same.any():
         raise ValueError("a ROC curve needs both same and different pairs")
-    order = np.argsort(scores, kind="mergesort")[::-1]
+    order = np.argsort(scores)[::-1]  # ties in any order: only the counts at the end of each tie matter
     ordered, labels = scores[order], same[order]
     ends = np.concatenate([np.flatnonzero(np.diff(ordered)), [len(ordered) - 1]])
     tps = np.cumsum(labels)[ends]
