@@ -124,3 +124,14 @@ def test_an_arcface_set_keeps_its_manifest_without_crop_keys() -> None:
 def test_bad_crop_params(fields, message) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PrepareParams(**fields)
+
+
+def test_the_defaults_are_facenet_pytorchs_160_pixels_and_no_margin() -> None:
+    """MTCNN(image_size=160, margin=0) are facenet-pytorch's defaults, and so are facenet_crop's."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (240, 200, 3), dtype=np.uint8)
+    box = np.array([40.3, 50.7, 150.2, 190.9])
+    crop = facenet_crop(image, box)
+    assert crop.shape == (160, 160, 3) and crop.dtype == np.uint8
+    assert np.array_equal(crop, facenet_crop(image, box, image_size=160, margin=0))
+    assert not np.array_equal(crop, facenet_crop(image, box, image_size=160, margin=1))
