@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from facepipe.evaluation.verification import roc_curve
+
 
 def sklearn_roc(scores: np.ndarray, same: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([R] fpr, [R] tpr) as scikit-learn's ``roc_curve(same, scores)`` returns them (thresholds at
     the distinct scores, decreasing; collinear points dropped; (0, 0) first). Higher score = more
     alike. Needs pairs of both kinds."""
-    scores = np.asarray(scores, dtype=np.float64)
+    fpr, tpr, _ = roc_curve(scores, same)  # (0, 0), then one point per distinct score, decreasing
     same = np.asarray(same, dtype=bool)
-    if same.all() or not same.any():
-        raise ValueError("a ROC curve needs both same and different pairs")
-    order = np.argsort(scores)[::-1]  # ties in any order: only the counts at the end of each tie matter
-    ordered, labels = scores[order], same[order]
-    ends = np.concatenate([np.flatnonzero(np.diff(ordered)), [len(ordered) - 1]])
-    tps = np.cumsum(labels)[ends]
-    fps = ends + 1 - tps
+    fps = np.rint(fpr[1:] * (~same).sum()).astype(np.int64)  # back to counts: the thinning is exact on them
+    tps = np.rint(tpr[1:] * same.sum()).astype(np.int64)
     if len(fps) > 2:  # drop_intermediate: keep a point only where the curve turns
         turns = np.logical_or(np.diff(fps, 2) != 0, np.diff(tps, 2) != 0)
         keep = np.flatnonzero(np.concatenate([[True], turns, [True]]))
