@@ -78,3 +78,12 @@ def test_collinear_points_are_dropped_as_scikit_learn_drops_them() -> None:
 def test_one_kind_only_is_refused() -> None:
     with pytest.raises(ValueError, match="^a ROC curve needs both same and different pairs$"):
         sklearn_roc(np.array([0.1, 0.2]), np.array([True, True]))
+
+
+def test_labels_given_as_0_and_1_are_read_as_bools() -> None:
+    """insightface's pair files hold 0/1 labels."""
+    scores = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    labels = [1, 0, 1, 1, 0, 0]
+    expected = sklearn_roc(scores, np.array(labels, dtype=bool))
+    got = sklearn_roc(scores, labels)
+    assert got[0].tolist() == expected[0].tolist() and got[1].tolist() == expected[1].tolist()
