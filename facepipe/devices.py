@@ -10,6 +10,9 @@ worker ``auto`` is that GPU: see :func:`worker_gpus`.
 from __future__ import annotations
 
 import os
+import re
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from facepipe.errors import FacepipeError
@@ -26,43 +29,58 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _no_gpu_here() -> bool:
+    """True when this Linux machine has no GPU that torch could use: no NVIDIA driver and no NVIDIA or
+    ROCm device node. torch is then not imported only to learn that (3 s of a worker's start-up)."""
+    if not sys.platform.startswith("linux"):
+        return False  # elsewhere only torch can tell
+    dev = Path("/dev")
+    return not (Path("/proc/driver/nvidia").exists() or any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists())
+
+
 def cuda_device_count() -> int:
-    """GPUs this process can see (0 without CUDA); does not initialise CUDA."""
+    """GPUs this process can see (0 without CUDA); does not initialise CUDA, nor import torch on a
+    machine without a GPU driver."""
+    if _no_gpu_here():
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+_DEVICE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+def resolve_device_name(
+    preference: str = "auto", *, index: int = 0, device_count: int | None = None, what: str = "device"
+) -> str:
+    """The device for ``preference`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``), as ``cpu`` or
+    ``cuda:N``: ``cuda:index`` for ``auto`` (with CUDA) and ``cuda``. ``device_count`` overrides the
+    GPUs found (tests); ``what`` names the setting in the one-line error for a GPU that is not there.
+    Imports nothing for ``cpu``, nor for ``auto`` on a machine without a GPU driver."""
+    match = _DEVICE.match(preference) if preference != "auto" else None
+    if preference != "auto" and match is None:
+        raise FacepipeError(f"{what}: {preference!r} is not a device (auto, cpu, cuda or cuda:N)")
+    if match is not None and match.group(1) == "cpu":
+        return "cpu"
+    count = cuda_device_count() if device_count is None else device_count
+    if match is None and count == 0:
+        return "cpu"
+    if count == 0:
+        raise FacepipeError(f"{what} is {preference!r} but no CUDA device is available")
+    chosen = index if match is None or match.group(2) is None else int(match.group(2))
+    if chosen >= count:
+        raise FacepipeError(f"{what}: cuda:{chosen} does not exist ({count} GPU(s) visible)")
+    return f"cuda:{chosen}"
+
+
 def resolve_device(
     preference: str = "auto", *, index: int = 0, device_count: int | None = None, what: str = "device"
 ) -> torch.device:
-    """The device for ``preference`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``): ``cuda:index`` for
-    ``auto`` (with CUDA) and ``cuda``. ``device_count`` overrides the GPUs found (tests); ``what``
-    names the setting in the one-line error for a GPU that is not there."""
+    """:func:`resolve_device_name` as a ``torch.device``."""
     import torch
 
-    wanted = None if preference == "auto" else _parse(preference, what=what)
-    count = cuda_device_count() if device_count is None else device_count
-    if (wanted is not None and wanted.type == "cpu") or (wanted is None and count == 0):
-        return torch.device("cpu")
-    if count == 0:
-        raise FacepipeError(f"{what} is {preference!r} but no CUDA device is available")
-    chosen = index if wanted is None or wanted.index is None else wanted.index
-    if chosen >= count:
-        raise FacepipeError(f"{what}: cuda:{chosen} does not exist ({count} GPU(s) visible)")
-    return torch.device("cuda", chosen)
-
-
-def _parse(preference: str, *, what: str) -> torch.device:
-    import torch
-
-    try:
-        device = torch.device(preference)
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise FacepipeError(f"{what}: {preference!r} is not a device (auto, cpu, cuda or cuda:N)")
-    return device
+    return torch.device(resolve_device_name(preference, index=index, device_count=device_count, what=what))
 
 
 def worker_gpus(n_workers: int, *, device_count: int, visible: str | None = None) -> list[str]:

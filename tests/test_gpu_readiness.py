@@ -245,7 +245,7 @@ def test_backbone_pt_is_written_from_cpu_tensors(tmp_path: Path, monkeypatch: py
 def test_one_device_rule_for_every_stage() -> None:
     import torch
 
-    from facepipe.devices import resolve_device
+    from facepipe.devices import resolve_device, resolve_device_name
     from facepipe.errors import FacepipeError
 
     assert resolve_device("auto", device_count=0) == torch.device("cpu")
@@ -257,15 +257,22 @@ def test_one_device_rule_for_every_stage() -> None:
         resolve_device("cuda", device_count=0, what="train.device")
     with pytest.raises(FacepipeError, match=r"cuda:2 does not exist \(2 GPU\(s\) visible\)"):
         resolve_device("auto", index=2, device_count=2)
-    with pytest.raises(FacepipeError, match="'gpu' is not a device"):
+    with pytest.raises(FacepipeError, match=r"^device: 'gpu' is not a device \(auto, cpu, cuda or cuda:N\)$"):
         resolve_device("gpu")
+    for wrong in ("cuda:", "cpu:x", "CUDA", " cpu", "cuda:1 "):
+        with pytest.raises(FacepipeError, match="is not a device"):
+            resolve_device_name(wrong, device_count=2)
+    # the same rule as names, without torch: what the RetinaFace CPU path uses
+    assert resolve_device_name("auto", device_count=0) == "cpu" == resolve_device_name("cpu:0", device_count=2)
+    assert resolve_device_name("auto", index=1, device_count=2) == "cuda:1" == resolve_device_name("cuda:1", device_count=2)
     # the detectors, evaluate and the trainer all use it (no second copy of the rule)
     import facepipe.detection.mtcnn as mtcnn
     import facepipe.detection.retinaface as retinaface
     import facepipe.stages.evaluate as evaluate
     import facepipe.training.distributed as distributed
 
-    assert mtcnn.resolve_device is retinaface.resolve_device is evaluate.resolve_device is resolve_device
+    assert mtcnn.resolve_device is evaluate.resolve_device is resolve_device
+    assert retinaface.resolve_device_name is resolve_device_name
     assert distributed.resolve_device is resolve_device and not hasattr(distributed, "pick_device")
 
 

@@ -138,6 +138,15 @@ class Decoded:
     reduction: int
     size: tuple[int, int]
 
+    def to_full(self, points: np.ndarray) -> np.ndarray:
+        """[..., 2] positions in ``image`` as full-resolution positions: pixel centres at integers, so
+        reduced pixel x (covering full pixels r*x .. r*x + r - 1) is centred on r*x + (r - 1) / 2."""
+        return np.asarray(points, np.float64) * self.reduction + (self.reduction - 1) / 2
+
+    def from_full(self, points: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`to_full`: full-resolution positions in ``image``'s pixels."""
+        return (np.asarray(points, np.float64) - (self.reduction - 1) / 2) / self.reduction
+
 
 def load_image_reduced(data: bytes, *, max_pixels: int, longest: int | None) -> Decoded:
     """:func:`load_image`, but a JPEG at least twice ``longest`` on its longest side is decoded at

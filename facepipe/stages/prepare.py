@@ -10,6 +10,7 @@ number of workers.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -23,7 +24,7 @@ from facepipe.data.extract import Outcome, process_chunk, warm_up, with_scan_rej
 from facepipe.data.scan import ScanItem, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import check_output
-from facepipe.cluster import FutureLike, chunk_runner, default_workers, ordered_results
+from facepipe.cluster import FutureLike, chunk_runner, default_workers, local_workers, ordered_results
 from facepipe.progress import Progress
 from facepipe.shardset import SHARD_SET, Built, SetBuilder, build_set, manifest_params, reasons_text, warn_resized
 from facepipe.shardset.builder import link_shards
@@ -112,21 +113,13 @@ def run(
     detector) before the first chunk. ``chunks_per_task``: the most chunks one submission carries
     (:func:`task_groups`); the output is the same for any value. ``refuse_empty`` (``import``): a run
     that accepts no face raises FacepipeError and writes nothing, as an import of a pack does.
+    Without ``submit`` or ``scheduler_address`` at most one local worker per chunk starts, and work
+    that one worker can do runs in this process (:func:`_runner`); the output is the same.
     """
     raw, out = Path(raw), Path(out)
     job = _Job.scan(params, raw, out, update=update)
     log.info("prepare: %d files (%d to process) in %d chunks from %s", len(job.items), len(job.todo), len(job.chunks), raw)
-    if not job.todo:  # nothing to read: no cluster, no detector
-        runner = chunk_runner(process_chunks, str(raw), params, device, here=True)
-    elif submit is None:
-        warm_workers = partial(warm_up, params, device)
-        runner = chunk_runner(
-            process_chunks, str(raw), params, device,
-            workers=workers, scheduler_address=scheduler_address, device=device, warm=warm_workers,
-        )
-    else:
-        runner = _given(submit, workers or default_workers(), warm)
-    scheduler = scheduler_address or ("local" if submit is None else "custom")
+    runner, scheduler = _runner(job, params, raw, workers=workers, scheduler_address=scheduler_address, device=device, submit=submit, warm=warm)
     report, builder = build_set(
         out,
         params,
@@ -138,6 +131,34 @@ def run(
     )
     warn_resized(builder, params.image_size)
     return report
+
+
+def _runner(
+    job: _Job,
+    params: PrepareParams,
+    raw: Path,
+    *,
+    workers: int | None,
+    scheduler_address: str | None,
+    device: str,
+    submit: Submit | None,
+    warm: Callable[[], None] | None,
+) -> tuple[AbstractContextManager[tuple[Submit, int]], str]:
+    """Where the chunks run, and its name for the report: the given ``submit``, the Dask cluster at
+    ``scheduler_address``, a local cluster of at most one worker per chunk, or this process when
+    nothing is left to read or one worker is all the chunks can use (no cluster to wait for)."""
+    if submit is not None:
+        return _given(submit, workers or default_workers(), warm), "custom"
+    if scheduler_address is None:
+        workers = local_workers(workers, chunks=len(job.chunks), device=device)
+    if not job.todo or (scheduler_address is None and workers == 1):
+        warm_here = partial(warm_up, params, device) if job.todo else None
+        return chunk_runner(process_chunks, str(raw), params, device, here=True, warm=warm_here), "in-process"
+    runner = chunk_runner(
+        process_chunks, str(raw), params, device,
+        workers=workers, scheduler_address=scheduler_address, device=device, warm=partial(warm_up, params, device),
+    )  # fmt: skip
+    return runner, scheduler_address or "local"
 
 
 @dataclass
@@ -195,6 +216,7 @@ class _Job:
             self.workers = n_workers
             outcomes = self._outcomes(submit_chunk, n_workers=n_workers, most=chunks_per_task)
             for _ in self.plan.walk(builder, self.items, outcomes) if self.plan is not None else _add_all(builder, outcomes):
+                self.timings.setdefault("first_photo_since_launch", _since_launch())
                 bar.update(1)
             self.timings["process"] = time.perf_counter() - process_started
         if self.plan is None:
@@ -239,6 +261,8 @@ class _Job:
             "scheduler": scheduler,
             "timings_s": {
                 **{phase: round(self.timings[phase], 3) for phase in ("scan", "startup", "process")},
+                # from this process's launch (interpreter and imports included) to the first file done
+                **({"first_photo_since_launch": round(first, 3)} if (first := self.timings.get("first_photo_since_launch")) else {}),
                 "report_html": built.report_html_s,
                 "total": round(time.perf_counter() - self.started, 3),
             },
@@ -258,6 +282,18 @@ def _plan(out: Path, params: PrepareParams, items: list[ScanItem], *, raw: Path,
             raise
         log.warning("prepare: %s cannot be grown (%s): preparing it in full", out, str(error).removeprefix("--update: "))
         return None
+
+
+def _since_launch() -> float:
+    """Seconds since this process started (the command's launch, for the CLI): on Linux from the
+    kernel's start time of the process (10 ms ticks since boot), elsewhere psutil's (1 s resolution)."""
+    try:
+        fields = Path("/proc/self/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, IndexError, ValueError):
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
 
 
 def _add_all(builder: SetBuilder, outcomes: Iterator[Outcome]) -> Iterator[int]:
