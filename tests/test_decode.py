@@ -145,3 +145,55 @@ def test_a_file_larger_than_any_allowed_image_is_rejected_unread(tmp_path, monke
     assert (outcome.reason, outcome.sha256) == ("file_too_large", None)
     assert outcome.detail == "17825792 bytes; an image of max_pixels=1000 takes at most 16785216"
     assert peak < 1 << 20
+
+
+def pillow_only(data: bytes, longest: int | None):
+    """What the decoder gives without its libjpeg-turbo fast path (Pillow's own JPEG path)."""
+    from facepipe.data import decode
+
+    fast, decode._decode_jpeg = decode._decode_jpeg, lambda *args: None
+    try:
+        return decode.load_image_reduced(data, max_pixels=10**8, longest=longest)
+    finally:
+        decode._decode_jpeg = fast
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("longest", [None, 320, 160])
+def test_the_fast_jpeg_path_gives_pillows_pixels(orientation, longest):
+    """simplejpeg (libjpeg-turbo straight into NumPy) against Pillow: the same pixels, scale and size,
+    for every EXIF orientation, full and reduced scale (1/2 and 1/4 of 640 px), 4:2:0, 4:4:4 and grey."""
+    from facepipe.data.decode import _decode_jpeg, load_image_reduced
+
+    photo = np.ascontiguousarray(np.concatenate([astronaut()[:480], astronaut()[:480, :128]], axis=1))  # 640 x 480
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    for image, options in ((photo, {}), (photo, {"subsampling": 0}), (photo[..., 1], {})):
+        data = encoded(Image.fromarray(image), "JPEG", quality=90, exif=exif.tobytes(), **options)
+        with Image.open(io.BytesIO(data)) as pil:
+            assert _decode_jpeg(data, pil, 1 if longest is None else 640 // longest) is not None  # the fast path ran
+        fast, slow = load_image_reduced(data, max_pixels=10**8, longest=longest), pillow_only(data, longest)
+        assert (fast.reduction, fast.size) == (slow.reduction, slow.size)
+        assert fast.image.flags.c_contiguous and fast.image.dtype == np.uint8
+        np.testing.assert_array_equal(fast.image, slow.image)
+
+
+@pytest.mark.parametrize("damage", ["cut", "cut_closed", "zeros"])
+def test_a_damaged_jpeg_leaves_the_fast_path_to_pillow(damage):
+    """libjpeg's warnings are errors on the fast path (nothing printed): Pillow's path then rejects
+    the file as it always did, or decodes it when Pillow reads it whole."""
+    from facepipe.data.decode import _decode_jpeg
+
+    data = jpeg_bytes(FACE, quality=95)
+    broken = {"cut": data[: len(data) // 2], "cut_closed": data[: len(data) // 2] + b"\xff\xd9",
+              "zeros": data[:700] + bytes(200) + data[900:]}[damage]  # fmt: skip
+    with Image.open(io.BytesIO(broken)) as pil:
+        assert _decode_jpeg(broken, pil, 1) is None
+    try:
+        expected = pillow_only(broken, None)
+    except Reject as reject:
+        with pytest.raises(Reject) as info:
+            load_image(broken, max_pixels=10**7)
+        assert (info.value.reason, info.value.detail) == (reject.reason, reject.detail)
+    else:
+        np.testing.assert_array_equal(load_image(broken, max_pixels=10**7), expected.image)

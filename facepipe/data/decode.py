@@ -148,6 +148,41 @@ class Decoded:
         return (np.asarray(points, np.float64) - (self.reduction - 1) / 2) / self.reduction
 
 
+#: EXIF orientation -> the NumPy view that makes the stored pixels upright (Pillow's exif_transpose).
+_ORIENT = {
+    2: lambda a: a[:, ::-1],
+    3: lambda a: a[::-1, ::-1],
+    4: lambda a: a[::-1],
+    5: lambda a: a.transpose(1, 0, 2),
+    6: lambda a: a.transpose(1, 0, 2)[:, ::-1],
+    7: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
+    8: lambda a: a.transpose(1, 0, 2)[::-1],
+}
+
+
+def _decode_jpeg(data: bytes, pil: Image.Image, reduction: int) -> Decoded | None:
+    """A colour or grey JPEG decoded by libjpeg-turbo straight into NumPy (simplejpeg), at 1/``reduction``
+    scale, turned upright as its EXIF says: the same pixels as Pillow's path (same library, same
+    settings; tests/test_decode.py holds them equal), 2-3x less CPU time, no 4-byte copy. None when
+    libjpeg reports any problem with the data (``strict``): Pillow's path then says what it is."""
+    import simplejpeg
+
+    width, height = pil.size
+    expected = (-(-height // reduction), -(-width // reduction))
+    try:
+        pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=expected[0], min_width=expected[1], strict=True)
+    except ValueError:
+        return None
+    rows = max(1, _FILL_ROWS // reduction)
+    if pixels.shape[:2] != expected or (pixels[-rows:] == _JPEG_FILL).all():
+        return None  # another scale than asked, or the data may end early: Pillow's path decides
+    orientation = pil.getexif().get(0x0112, 1)
+    upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+    if orientation in _ORIENT:
+        pixels = np.ascontiguousarray(_ORIENT[orientation](pixels))
+    return Decoded(pixels, reduction, upright)
+
+
 def load_image_reduced(data: bytes, *, max_pixels: int, longest: int | None) -> Decoded:
     """:func:`load_image`, but a JPEG at least twice ``longest`` on its longest side is decoded at
     1/2, 1/4 or 1/8 scale (libjpeg's scaled IDCT: ~3-10x less work than the full image), as long as
@@ -170,6 +205,10 @@ def load_image_reduced(data: bytes, *, max_pixels: int, longest: int | None) -> 
         if width == 0 or height == 0:
             raise Reject("unreadable", f"zero-sized image {width}x{height}")
         reduction = draft_reduction((width, height), longest) if pil.format == "JPEG" else 1
+        if pil.format == "JPEG" and pil.mode in ("RGB", "L"):
+            fast = _decode_jpeg(data, pil, reduction)
+            if fast is not None:
+                return fast
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

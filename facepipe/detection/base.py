@@ -71,11 +71,14 @@ def to_source(points: np.ndarray, source: tuple[int, ...], resized: tuple[int, .
     return (np.asarray(points, np.float64) + 0.5) * ratio - 0.5
 
 
-def downscale(image: np.ndarray, longest: int) -> tuple[np.ndarray, float]:
+def downscale(image: np.ndarray, longest: int, *, bilinear_to_half: bool = False) -> tuple[np.ndarray, float]:
     """``image`` [H, W, C] shrunk (area resampling) so its longest side is at most ``longest``, and the
-    factor applied (<= 1; smaller images are returned as they are, with 1.0)."""
+    factor applied (<= 1; smaller images are returned as they are, with 1.0). ``bilinear_to_half``:
+    bilinear instead of area resampling while the factor is at least 1/2 (each output pixel's
+    footprint then within the 2 x 2 pixels bilinear reads; 5-6x less CPU time)."""
     h, w = image.shape[:2]
     scale = min(1.0, longest / max(h, w))
     if scale < 1.0:
-        image = cv2.resize(image, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+        method = cv2.INTER_LINEAR if bilinear_to_half and scale >= 0.5 else cv2.INTER_AREA
+        image = cv2.resize(image, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=method)
     return image, scale
