@@ -597,3 +597,23 @@ def test_the_cpu_path_never_imports_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_prepare_command_imports_neither_prefect_nor_torch(tmp_path):
+    """The CLI path of a small prepare (one chunk: run in the command's own process) with the default
+    detector loads no Prefect and no torch: what keeps its first photo within seconds of the launch."""
+    raw = tmp_path / "raw"
+    for index in range(3):
+        save(photos()["hopper"], raw / "a" / f"{index}.jpg")
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print(sorted(m for m in ('prefect', 'torch', 'torchvision', 'dask', 'distributed') if m in sys.modules)))\n"
+        f"sys.argv = ['facepipe', 'prepare', {str(raw)!r}, {str(tmp_path / 'out')!r}]\n"
+        "runpy.run_module('facepipe', run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"  # not even Dask: one chunk needs no cluster
+    report = json.loads((tmp_path / "out" / "report.json").read_text(encoding="utf-8"))
+    assert report["scheduler"] == "in-process" and report["workers"] == 1
+    assert 0 < report["timings_s"]["first_photo_since_launch"] < 60
