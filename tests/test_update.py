@@ -152,7 +152,12 @@ def test_an_unchanged_raw_updates_without_reading_a_file(tmp_path, monkeypatch):
     write(raw, V1)
     run(raw, out)
     before = files_of(out)
-    report = run(raw, out, update=True)  # the in-process submit would read; nothing may be submitted
+    def no_warm() -> None:
+        raise AssertionError("an update with nothing to read warmed the workers (loaded a detector)")
+
+    # the in-process submit would read; nothing may be submitted, nor any detector loaded
+    report = prepare.run(PARAMS, raw, out, update=True, submit=in_process(raw, PARAMS), warm=no_warm, workers=1, progress=False)
+    assert report["scheduler"] == "custom"
     # nothing new, changed or removed: no new generation, so the set (and every DVC stage after it) is unchanged
     assert report["files"] == {"reused": 11, "processed": 0, "removed": 0} and report["generation"] == 0
     after = files_of(out)

@@ -147,13 +147,14 @@ def _runner(
     """Where the chunks run, and its name for the report: the given ``submit``, the Dask cluster at
     ``scheduler_address``, a local cluster of at most one worker per chunk, or this process when
     nothing is left to read or one worker is all the chunks can use (no cluster to wait for)."""
+    if not job.todo:  # nothing to read: no cluster, no detector
+        return chunk_runner(process_chunks, str(raw), params, device, here=True), "custom" if submit else "in-process"
     if submit is not None:
         return _given(submit, workers or default_workers(), warm), "custom"
     if scheduler_address is None:
         workers = local_workers(workers, chunks=len(job.chunks), device=device)
-    if not job.todo or (scheduler_address is None and workers == 1):
-        warm_here = partial(warm_up, params, device) if job.todo else None
-        return chunk_runner(process_chunks, str(raw), params, device, here=True, warm=warm_here), "in-process"
+    if scheduler_address is None and workers == 1:
+        return chunk_runner(process_chunks, str(raw), params, device, here=True, warm=partial(warm_up, params, device)), "in-process"
     runner = chunk_runner(
         process_chunks, str(raw), params, device,
         workers=workers, scheduler_address=scheduler_address, device=device, warm=partial(warm_up, params, device),
