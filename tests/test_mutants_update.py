@@ -5,6 +5,7 @@ every refusal matched whole, every field check at its boundary). Sets are real p
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ import pytest
 from test_update import PARAMS, V1, face, files_of, run, write
 
 from facepipe.data.scan import ScanItem
+from facepipe.config import PrepareParams
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
 from facepipe.io.manifest import SOURCES_KEY, SourcesDigest
@@ -380,3 +382,246 @@ def test_a_scan_reject_with_the_same_detail_is_reused(tmp_path):
     assert any(json.loads(line)["reason"] == "outside_raw_root" for line in (out / "rejects.jsonl").read_text().splitlines())
     report = run(raw, out, update=True)
     assert report["files"] == {"reused": len(V1) + 1, "processed": 0, "removed": 0}
+
+
+# --- shardset/builder.py and shardset/build.py (their mutation tests) ---
+
+
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as the default text encoding of ``open`` in this process (as under ``LANG=C``
+    with UTF-8 mode off, tests/test_locale.py), restored after: every file must name its encoding."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_build_set_writes_utf8_passes_raw_to_the_report_and_times_it(tmp_path, ascii_locale, monkeypatch):
+    from types import SimpleNamespace
+
+    from facepipe.shardset import build
+    from facepipe.stages import prepare
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, {"José/0.jpg": face(1), "José/ñ.jpg": face(1), "Zoë/0.jpg": face(2)})  # ñ.jpg: a duplicate, thumbnailed
+    paths = ["José/0.jpg", "José/ñ.jpg", "Zoë/0.jpg"]
+    outcomes = prepare.process_chunks([paths], str(raw), PARAMS, "cpu")[0]
+    clock = iter([100.0, 100.23456])
+    monkeypatch.setattr(build, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+
+    def produce(builder):
+        for outcome in outcomes:
+            builder.add(outcome)
+        return builder.finish(len(outcomes))
+
+    def report(built):
+        return {"who": "José", "report_html_s": built.report_html_s, **built.counts()}
+
+    summary, builder = build.build_set(out, PARAMS, produce, report, raw=raw)
+    assert summary["report_html_s"] == 0.235 and summary["who"] == "José"
+    assert json.loads((out / "report.json").read_text(encoding="utf-8")) == summary
+    assert builder.identities == ["José", "Zoë"] and builder.reasons == {"duplicate": 1}
+    assert [json.loads(line)["path"] for line in (out / "sources.jsonl").read_text(encoding="utf-8").splitlines()] == paths
+    for text in (out / "sources.jsonl").read_text(encoding="utf-8").splitlines():  # sorted keys, UTF-8 as it is
+        assert text == json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False) and '"path": "' in text
+    assert json.loads((out / "rejects.jsonl").read_text(encoding="utf-8"))["path"] == "José/ñ.jpg"
+    assert 'alt="José/ñ.jpg"' in (out / "report.html").read_text(encoding="utf-8")  # a thumbnail: RAW was passed on
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_the_builder_adds_records_labelled_by_the_first_folder_and_lists_resized_crops(tmp_path):
+    import numpy as np
+    from rawdata import jpeg_bytes
+
+    from facepipe.data.extract import Outcome
+    from facepipe.shardset import SetBuilder
+    from facepipe.stages import prepare
+
+    raw = tmp_path / "raw"
+    big = jpeg_bytes(np.full((120, 120, 3), 90, np.uint8), quality=90)
+    write(raw, {"a/0.jpg": face(1), "a/1.jpg": face(1), "b/0.jpg": big})
+    outcomes = prepare.process_chunks([["a/0.jpg", "a/1.jpg", "b/0.jpg"]], str(raw), PARAMS, "cpu")[0]
+    (tmp_path / "set").mkdir()
+    builder = SetBuilder(tmp_path / "set", PARAMS)
+    for outcome in outcomes:
+        builder.add(outcome)
+    nested = outcomes[0].header | {"path": "c/d/e.jpg"}
+    builder.add(Outcome("c/d/e.jpg", "cd" * 32, header=nested, payload=outcomes[0].payload))  # identity: the first folder
+    builder.add(Outcome("c/x.jpg", None, reason=""))  # a reject without a reason code
+    with pytest.raises(AssertionError):
+        builder.add(Outcome("c/y.jpg", "ef" * 32, header=nested))  # accepted, but no payload
+    closed: list = []
+    close = builder.writer.close
+    builder.writer.close = lambda: closed.append(close()) or closed[-1]  # the ShardInfos finish() gets
+    builder.finish(5)
+    assert builder.identities == ["a", "b", "c"] and builder.resized == ["b/0.jpg"]
+    assert _lines(tmp_path / "set" / "rejects.jsonl") == [
+        {"path": "a/1.jpg", "reason": "duplicate", "detail": "same bytes as a/0.jpg"},
+        {"path": "c/x.jpg", "reason": "unknown", "detail": ""},
+    ]
+    shard_set = ShardSet(tmp_path / "set")
+    assert [shard_set.record(i).header.get("label") for i in range(3)] == [0, 1, 2]
+    payloads = [outcomes[0].payload, outcomes[2].payload, outcomes[0].payload]
+    assert [info.payload_bytes for info in closed[0]] == [sum(map(len, payloads))]
+    assert builder.payload_bytes == sum(map(len, payloads))
+
+    aligning = PARAMS.model_copy(update={"detector": "mtcnn"})
+    (tmp_path / "set2").mkdir()
+    builder = SetBuilder(tmp_path / "set2", aligning)
+    builder.add(outcomes[2])  # a detector's crops are made at image_size: never listed as resized
+    builder.abort()
+    assert builder.resized == []
+
+
+def test_keep_reuses_records_and_rejects_and_redecides_later_copies(tmp_path):
+    from facepipe.shardset import Generation, SetBuilder
+
+    other = "cd" * 32
+    base = Generation(number=2, stored=9, shards=(ShardInfo("shard-00000.lmdb", 9, "0" * 64, 0, 100),), identities=("a",))
+    builder = SetBuilder(tmp_path, PARAMS, base=base)
+    builder.stats = {"a/0.jpg": (10, 5)}
+    entry = {"path": "a/0.jpg", "sha256": SHA, "reason": None, "sample": 3, "generation": 0}
+    reject = {"path": "a/1.jpg", "sha256": other, "reason": "no_face", "sample": None, "generation": 1}
+    assert builder.keep(entry, None) is True
+    assert builder.keep(reject, {"path": "a/1.jpg", "reason": "no_face", "detail": "d"}) is True
+    with pytest.raises(AssertionError):
+        builder.keep({**reject, "path": "a/9.jpg", "sha256": None}, {"path": "a/1.jpg", "reason": "no_face", "detail": "d"})
+    copy = {"path": "a/2.jpg", "sha256": SHA, "reason": "duplicate", "sample": None, "generation": 1}
+    assert builder.keep(copy, None) is True  # still a copy of a/0.jpg: reused as it was
+    assert (builder.redecided, builder.rejected_now) == (0, 0)
+    for name in ("a/3.jpg", "a/4.jpg"):  # accepted before, now later copies of a/0.jpg: decided now
+        assert builder.keep({**entry, "path": name, "sample": 4}, None) is False
+    assert (builder.redecided, builder.rejected_now, builder.accepted, builder.kept) == (2, 2, 1, [3])
+    assert builder.reasons == {"no_face": 1, "duplicate": 3}
+    builder.abort()
+    assert _lines(tmp_path / "rejects.jsonl") == [
+        {"path": "a/1.jpg", "reason": "no_face", "detail": "d"},
+        {"path": "a/2.jpg", "reason": "duplicate", "detail": "same bytes as a/0.jpg"},
+        {"path": "a/3.jpg", "reason": "duplicate", "detail": "same bytes as a/0.jpg"},
+        {"path": "a/4.jpg", "reason": "duplicate", "detail": "same bytes as a/0.jpg"},
+    ]
+    line = {"reason": None, "sample": None, "size": None, "mtime_ns": None}
+    assert _lines(tmp_path / "sources.jsonl") == [
+        {**line, "path": "a/0.jpg", "sha256": SHA, "sample": 3, "generation": 0, "size": 10, "mtime_ns": 5},
+        {**line, "path": "a/1.jpg", "sha256": other, "reason": "no_face", "generation": 1},
+        {**line, "path": "a/2.jpg", "sha256": SHA, "reason": "duplicate", "generation": 1},
+        {**line, "path": "a/3.jpg", "sha256": SHA, "reason": "duplicate", "generation": 2},
+        {**line, "path": "a/4.jpg", "sha256": SHA, "reason": "duplicate", "generation": 2},
+    ]
+
+
+def test_finish_writes_the_manifest_and_says_when_an_update_changed_nothing(tmp_path):
+    from facepipe.data.extract import Outcome
+    from facepipe.shardset import Generation, SetBuilder
+    from facepipe.shardset.builder import manifest_params
+
+    def finished(name: str, params=PARAMS, base=None, rejects=1, **finish) -> SetBuilder:
+        (tmp_path / name).mkdir()
+        builder = SetBuilder(tmp_path / name, params, base=base)
+        for i in range(rejects):
+            builder.add(Outcome(f"a/{i}.jpg", None, reason="no_face", detail="x"))
+        builder.manifest = builder.finish(rejects, **finish)
+        return builder
+
+    scratch = finished("scratch", rejects=2)
+    assert scratch.manifest["image"] == {
+        "size": 112, "encoding": "jpeg", "quality": 95, "template": "arcface",
+        "template_points": [[38.2946, 51.6963], [73.5318, 51.5014], [56.0252, 71.7366], [41.5493, 92.3655], [70.7299, 92.2041]],
+    }
+    assert scratch.manifest["generations"] == [{
+        "generation": 0, "shards": [], "counts": {"scanned": 2, "accepted": 0, "rejected": 2}, "reused": 0, "removed": 0,
+        "labels": [0, 0], "excluded": {},
+    }]
+    assert scratch.unchanged is False
+    png = finished("png", PARAMS.model_copy(update={"image_size": 96, "encoding": "png"}))
+    assert png.manifest["image"] == {
+        "size": 96, "encoding": "png", "quality": None, "template": "arcface",
+        "template_points": [[32.8239, 44.3111], [63.0273, 44.1441], [48.0216, 61.4885], [35.6137, 79.1704], [60.6256, 79.0321]],
+    }
+    grown = {"number": 1, "identities": ("a",), "generations": ({"generation": 0},), "params": manifest_params(PARAMS)}
+    nothing = finished("nothing", base=Generation(**grown), rejects=0)
+    assert nothing.unchanged is True and nothing.manifest["generations"] == [{"generation": 0}]
+    for name, finish, rejects in (("removed", {"removed": 1}, 0), ("decided", {}, 1), ("excluded", {"excluded": {"shard-00000.lmdb": [0]}}, 0)):
+        builder = finished(name, base=Generation(**grown), rejects=rejects, **finish)
+        assert builder.unchanged is False, name
+        assert builder.manifest["generations"][1] == {
+            "generation": 1, "shards": [], "counts": {"scanned": rejects, "accepted": 0, "rejected": rejects},
+            "reused": 0, "removed": finish.get("removed", 0), "labels": [1, 1], "excluded": finish.get("excluded", {}),
+        }, name
+
+    empty = finished("empty", rejects=0)  # a from-scratch set of nothing is a generation all the same
+    assert empty.unchanged is False and len(empty.manifest["generations"]) == 1
+    (tmp_path / "copies").mkdir()
+    builder = SetBuilder(tmp_path / "copies", PARAMS, base=Generation(**grown))
+    entry = {"path": "a/0.jpg", "sha256": SHA, "reason": None, "sample": 0, "generation": 0}
+    builder.keep(entry, None)
+    builder.keep({**entry, "path": "a/1.jpg", "sample": 1}, None)  # now a copy of a/0.jpg: decided, not read
+    manifest = builder.finish(2, processed=0, excluded={"shard-00000.lmdb": [1]})
+    assert manifest["generations"][1]["counts"] == {"scanned": 1, "accepted": 0, "rejected": 1}
+    assert manifest["generations"][1]["reused"] == 1
+
+    (tmp_path / "broken").mkdir()
+    builder = SetBuilder(tmp_path / "broken", PARAMS)
+    builder.add(Outcome("a/0.jpg", None, reason="no_face", detail="x"))
+    with pytest.raises(RuntimeError) as error:
+        builder.finish(1, processed=2)
+    assert str(error.value) == "accounting broken: 0 + 1 != 1 scanned, or 0 + 1 != 2 decided in this generation"
+
+
+def test_manifest_params_record_the_crop_only_when_it_is_not_arcface(tmp_path):
+    from facepipe.shardset.builder import manifest_params
+
+    assert manifest_params(PARAMS) == {k: v for k, v in PARAMS.model_dump().items() if k not in ("crop", "margin")}
+    facenet = PrepareParams(**{**PARAMS.model_dump(), "detector": "mtcnn", "crop": "facenet"})
+    assert manifest_params(facenet) == facenet.model_dump() and facenet.model_dump()["crop"] == "facenet"
+    weights = tmp_path / "weights.onnx"
+    weights.write_bytes(b"not really a model")
+    given = PrepareParams(**{**PARAMS.model_dump(), "detector": "retinaface", "detector_weights": str(weights)})
+    assert manifest_params(given)["detector_weights"] == {"file": "weights.onnx", "sha256": hashlib.sha256(b"not really a model").hexdigest()}
+
+
+def test_reasons_text_lists_the_most_frequent_first_then_by_name():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from facepipe.shardset.builder import reasons_text
+
+    assert reasons_text(SimpleNamespace(reasons=Counter({"no_face": 2, "duplicate": 2, "empty_file": 3}))) == "empty_file 3, duplicate 2, no_face 2"
+
+
+def test_warn_resized_names_the_count_the_size_and_the_first(caplog):
+    import logging
+    from types import SimpleNamespace
+
+    from facepipe.shardset.builder import warn_resized
+
+    with caplog.at_level(logging.WARNING, logger="facepipe.prepare"):
+        warn_resized(SimpleNamespace(resized=[]), 96)
+        assert caplog.records == []
+        warn_resized(SimpleNamespace(resized=["a/1.jpg", "b/2.jpg"]), 96)
+    assert [r.getMessage() for r in caplog.records] == ["2 aligned face(s) were not 96x96 and were resized (first: a/1.jpg)"]
+
+
+def test_link_shards_copies_where_links_are_refused_and_placing_nothing_is_fine(tmp_path, monkeypatch):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    assert place_new_shards([], root=tmp_path, first=3) == []  # a generation with no new shard: no .new-shards folder
+
+    def refuse(*args):
+        raise OSError("links not supported")
+
+    monkeypatch.setattr(os, "link", refuse)
+    link_shards(ShardSet(out), tmp_path / "tmp")
+    for entry in ShardSet(out).manifest["shards"]:
+        copied, source = tmp_path / "tmp" / "shards" / entry["file"], out / "shards" / entry["file"]
+        assert copied.read_bytes() == source.read_bytes() and not os.path.samefile(copied, source)
