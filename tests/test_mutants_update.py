@@ -155,7 +155,7 @@ def test_has_set_and_file_stats(tmp_path):
     raw = tmp_path / "raw"
     write(raw, {"a/1.jpg": b"12345", "a/caf\xe9.jpg".encode("latin-1").decode("latin-1"): b"xy"})
     os.utime(raw / "a" / "1.jpg", ns=(7, 9))
-    items = [ScanItem("a/1.jpg", "a"), ScanItem("a/gone.jpg", "a"), ScanItem("a/link.jpg", "a", reason="outside_raw_root")]
+    items = [ScanItem("a/gone.jpg", "a"), ScanItem("a/1.jpg", "a"), ScanItem("a/link.jpg", "a", reason="outside_raw_root")]
     assert file_stats(raw, items) == {"a/1.jpg": (5, 9)}
 
 
@@ -204,6 +204,9 @@ def test_update_refusals_are_whole_one_line_messages(tmp_path):
         f"--update: the prepare params differ from those {out} was prepared with (image_size: 112 -> 96); a set must"
         " not mix two alignments or encodings: run a full prepare (without --update)"
     )
+    with pytest.raises(NotGrowable) as error:
+        update.plan_update(out, PARAMS, [], raw=raw, manifest_params={**manifest["params"], "image_size": 96, "encoding": "png"})
+    assert str(error.value).startswith(f"--update: the prepare params differ from those {out} was prepared with (encoding: 'jpeg' -> 'png', image_size: 112 -> 96);")
     (out / "labels.json").write_text(json.dumps(json.loads((out / "labels.json").read_text()) + ["extra"]))
     message = refusal(NotGrowable)
     assert message.startswith(f"--update: {out} is inconsistent (labels.json: sha256 differs from the manifest): see facepipe verify {out}")
@@ -625,3 +628,69 @@ def test_link_shards_copies_where_links_are_refused_and_placing_nothing_is_fine(
     for entry in ShardSet(out).manifest["shards"]:
         copied, source = tmp_path / "tmp" / "shards" / entry["file"], out / "shards" / entry["file"]
         assert copied.read_bytes() == source.read_bytes() and not os.path.samefile(copied, source)
+
+
+def test_reusable_needs_the_same_scan_reject_and_a_recorded_hash_of_a_file_it_can_stat(tmp_path):
+    reusable = update._reusable
+    link = ScanItem("a/l.jpg", "a", reason="outside_raw_root", detail="d")
+    entry = SourceEntry({**LINE, "path": "a/l.jpg", "sha256": None, "reason": "outside_raw_root", "sample": None})
+    same = {"a/l.jpg": {"path": "a/l.jpg", "reason": "outside_raw_root", "detail": "d"}}
+    assert reusable(link, entry, same, {}, raw=tmp_path, shas=set()) is True
+    assert reusable(link, entry, {}, {}, raw=tmp_path, shas=set()) is False  # no reject line to reuse
+    other = SourceEntry({**LINE, "path": "a/l.jpg", "sha256": None, "reason": "symlink_loop", "sample": None})
+    assert reusable(link, other, same, {}, raw=tmp_path, shas=set()) is False  # another reason, the same detail
+    item = ScanItem("id0/a.jpg", "id0")
+    unread = SourceEntry({**LINE, "sha256": None, "reason": "io_error", "sample": None})
+    assert reusable(item, unread, {}, {"id0/a.jpg": (10, 5)}, raw=tmp_path, shas=set()) is False  # never hashed: read again
+    assert reusable(item, SourceEntry(LINE), {}, {}, raw=tmp_path, shas=set()) is False  # no stat: the worker reports it
+    assert reusable(item, SourceEntry(LINE), {}, {"id0/a.jpg": (10, 5)}, raw=tmp_path, shas=set()) is True
+    copy = SourceEntry({**LINE, "reason": "duplicate", "sample": None})
+    assert reusable(item, copy, {}, {"id0/a.jpg": (10, 5)}, raw=tmp_path, shas=set()) is False  # its first copy is not reused
+    assert reusable(item, copy, {}, {"id0/a.jpg": (10, 5)}, raw=tmp_path, shas={SHA}) is True
+    touched = {"id0/a.jpg": (10, 6)}
+    assert reusable(item, SourceEntry(LINE), {}, touched, raw=tmp_path, shas=set()) is False  # gone since its stat
+    write(tmp_path, {"id0/a.jpg": b"0123456789"})
+    same = SourceEntry({**LINE, "sha256": hashlib.sha256(b"0123456789").hexdigest()})
+    assert reusable(item, same, {}, touched, raw=tmp_path, shas=set()) is True  # touched, the same bytes
+    assert reusable(item, SourceEntry(LINE), {}, touched, raw=tmp_path, shas=set()) is False
+
+
+def test_the_rejects_of_an_update_are_read_with_one_line_refusals(tmp_path):
+    missing, broken = tmp_path / "missing.jsonl", tmp_path / "rejects.jsonl"
+    with pytest.raises(FacepipeError) as error:
+        list(update._read_jsonl(missing))
+    assert str(error.value) == f"--update: cannot read {missing}: [Errno 2] No such file or directory: '{missing}'"
+    assert not isinstance(error.value, NotGrowable)
+    broken.write_text('{"path": "a"}\n{nope\n')
+    with pytest.raises(NotGrowable) as error:
+        list(update._read_jsonl(broken))
+    assert str(error.value) == (
+        f"--update: {broken} is inconsistent (not JSON lines: Expecting property name enclosed in double quotes:"
+        " line 1 column 2 (char 1)): run a full prepare (without --update)"
+    )
+
+
+def test_base_generation_is_the_base_sets_shards_labels_and_history(tmp_path):
+    from facepipe.shardset import Generation
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    plan = update.plan_update(out, PARAMS, [], raw=raw, manifest_params=manifest["params"])
+    shards = tuple(ShardInfo(e["file"], e["num_samples"], e["sha256"], 0, e["bytes"]) for e in manifest["shards"])
+    assert update.base_generation(plan) == Generation(
+        number=1, stored=9, shards=shards, identities=("id0", "id1", "id2"), generations=tuple(manifest["generations"]),
+        params=manifest["params"],
+    )
+    assert update.base_generation(None) is None
+
+
+def test_base_payload_is_the_base_reports_or_zero(tmp_path, ascii_locale):
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(base=SimpleNamespace(root=tmp_path))
+    assert update.base_payload(plan) == 0  # no report.json
+    for text, payload in (('{"payload_bytes": 1234, "by": "José"}', 1234), ("{nope", 0), ("{}", 0), ('{"payload_bytes": null}', 0), ("[]", 0)):
+        (tmp_path / "report.json").write_text(text, encoding="utf-8")
+        assert update.base_payload(plan) == payload, text
