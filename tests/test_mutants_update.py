@@ -694,3 +694,40 @@ def test_base_payload_is_the_base_reports_or_zero(tmp_path, ascii_locale):
     for text, payload in (('{"payload_bytes": 1234, "by": "José"}', 1234), ("{nope", 0), ("{}", 0), ('{"payload_bytes": null}', 0), ("[]", 0)):
         (tmp_path / "report.json").write_text(text, encoding="utf-8")
         assert update.base_payload(plan) == payload, text
+
+
+def test_compact_shows_its_progress_over_every_line(tmp_path, monkeypatch):
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    bars: list = []
+
+    class Recording(compact.Progress):
+        def __init__(self, total, **kwargs):
+            super().__init__(total, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(compact, "Progress", Recording)
+    compact.run(out)  # the CLI's call: progress on by default
+    compact.run(out, progress=False)
+    assert [(bar.total, bar.desc, bar.enabled, bar.count) for bar in bars] == [(11, "compact", True, 11), (11, "compact", False, 11)]
+
+
+def test_compact_keeps_the_recorded_params_and_times_itself(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    write(raw, V1)
+    run(raw, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    weights = {"file": "retinaface.onnx", "sha256": SHA}  # as a set prepared with detector_weights records them
+    recorded = {**manifest["params"], "detector_weights": weights}
+    (out / "manifest.json").write_text(json.dumps({**manifest, "params": recorded}))
+    before = {name: (out / name).read_bytes() for name in ("sources.jsonl", "rejects.jsonl")}
+    assert b'"detail": "0 bytes"' in before["rejects.jsonl"]  # a reject with a detail, not a duplicate
+    clock = iter([50.0, 51.23456])
+    monkeypatch.setattr(compact, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    report = compact.run(out, progress=False)
+    assert report["timings_s"] == {"total": 1.235}
+    assert {name: (out / name).read_bytes() for name in before} == before  # one generation: the same lines
+    assert json.loads((out / "manifest.json").read_text())["params"] == recorded
