@@ -324,3 +324,179 @@ def test_an_aligned_folder_import_that_accepts_nothing_exits_2_and_writes_nothin
     assert "\n" not in err and f"nothing imported from {raw}: all 3 files were rejected" in err, err
     assert "unreadable 1" in err and "empty_file 1" in err and "image_too_small 1" in err, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before + [Path("params.yaml")]
+
+
+# --- stages/import_rec.py function by function (its mutation tests, tests/README.md) ---
+
+
+def test_a_pack_is_a_rec_file_or_a_folder_with_train_rec(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "data.rec").write_bytes(b"")
+    assert import_rec.is_pack(tmp_path / "data.rec") and not import_rec.is_pack(tmp_path / "notes.txt")
+    assert not import_rec.is_pack(tmp_path / "missing.rec") and not import_rec.is_pack(tmp_path)
+    (tmp_path / "train.rec").write_bytes(b"")
+    assert import_rec.is_pack(tmp_path)
+
+
+def test_an_identity_is_export_recs_name_for_its_label_else_the_label():
+    pack = import_rec.RecPack(Path("train.rec"), None, None, ("alice", "bob"))
+    assert [pack.identity(label) for label in (0, 1, 2, 30)] == ["alice", "bob", "2", "30"]
+    assert import_rec.RecPack(Path("train.rec"), None, None).identity(1) == "1"
+
+
+def test_find_pack_refuses_what_is_not_a_pack_in_one_line(tmp_path):
+    from facepipe.errors import FacepipeError
+
+    (tmp_path / "notes.txt").write_text("x")
+    for source in (tmp_path / "missing.rec", tmp_path / "notes.txt", tmp_path):
+        with pytest.raises(FacepipeError) as error:
+            import_rec.find_pack(source)
+        assert str(error.value) == f"no RecordIO pack at {source} (expected a .rec file or a folder with train.rec)"
+
+
+@pytest.fixture()
+def ascii_locale():
+    """ASCII as ``open``'s default text encoding in this process (``LC_CTYPE=C``), restored after."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_find_pack_takes_export_recs_names_when_they_are_usable_folder_names(tmp_path, ascii_locale):
+    from facepipe.errors import FacepipeError
+    from facepipe.io.insightface_rec import RecordIOError, read_property
+
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (1, crop(1))], header=True)
+
+    def names(value: object, fmt: str = "facepipe-rec-export", key: str = "identities") -> object:
+        (folder / "export.json").write_text(json.dumps({"format": fmt, key: value}, ensure_ascii=False), encoding="utf-8")
+        return import_rec.find_pack(folder).names
+
+    pack = import_rec.find_pack(folder)
+    assert (pack.rec, pack.idx, pack.prop, pack.names) == (folder / "train.rec", folder / "train.idx", (2, 112, 112), None)
+    assert names(["José", "王"]) == ("José", "王")  # read as UTF-8 whatever the locale
+    assert names(["a", "b"], fmt="other") is None
+    assert names(["a", "b"], key="names") is None
+    for unusable in (["a", "a"], ["a", "b/c"], ["a", ".."], ["a", ""], "ab", {"a": 1}, [1, "1"]):
+        assert names(unusable) is None, unusable
+    (folder / "export.json").write_text("{nope", encoding="utf-8")
+    assert import_rec.find_pack(folder).names is None
+    (folder / "export.json").write_text("[]", encoding="utf-8")
+    assert import_rec.find_pack(folder).names is None
+    (folder / "property.txt").write_text("x\n")
+    with pytest.raises(RecordIOError) as direct:
+        read_property(folder / "property.txt")
+    with pytest.raises(FacepipeError) as error:
+        import_rec.find_pack(folder)
+    assert str(error.value) == str(direct.value) and str(direct.value)
+
+
+def test_layout_chunks_are_the_images_size_at_a_time_with_none_for_minus_one():
+    keys = np.arange(1, 6, dtype=np.int64)
+    offsets = np.array([0, 40, -1, 120, 160], dtype=np.int64)
+    expected = np.array([7, 7, 7, -1, 9], dtype=np.int64)
+    layout = import_rec.Layout(keys, offsets, expected, True, np.zeros(0, dtype=np.int64), {})
+    assert list(layout.chunks(2)) == [[(1, 0, 7), (2, 40, 7)], [(3, None, 7), (4, 120, None)], [(5, 160, 9)]]
+    assert list(layout.chunks(5)) == [[(1, 0, 7), (2, 40, 7), (3, None, 7), (4, 120, None), (5, 160, 9)]]
+    assert all(type(v) is int for chunk in layout.chunks(2) for ref in chunk for v in ref if v is not None)
+
+
+def test_the_outcome_of_each_kind_of_image_record(tmp_path):
+    import hashlib
+
+    from facepipe.data.decode import Reject, load_image
+    from facepipe.data.extract import Outcome
+    from facepipe.io.insightface_rec import RecordIOError
+
+    tall = io.BytesIO()
+    Image.fromarray(np.full((112, 96, 3), 120, np.uint8)).save(tall, format="JPEG", quality=90)
+    items = [(3, crop(0)), (2.5, crop(1)), (4, tall.getvalue()), (5, b"this is not an image")]
+    folder = tmp_path / "pack"
+    write_pack(folder, items, header=False)
+    offsets = dict(read_index(folder / "train.idx").tolist())
+    pack = import_rec.RecPack(folder / "train.rec", folder / "train.idx", None, ("a", "b", "c", "alice", "bob", "eve"))
+    params = PrepareParams()
+
+    def outcome(key: int, offset: int | None, expected: int | None = None) -> Outcome:
+        with open(pack.rec, "rb") as handle:
+            return import_rec._image_outcome(handle, pack, key, offset, params, expected)
+
+    sha = [hashlib.sha256(payload).hexdigest() for _, payload in items]
+    assert outcome(9, None, 3) == Outcome("train.rec#9", None, reason="missing_record", detail="the header's image range holds this key; the .idx does not")
+    assert outcome(1, offsets[1]) == Outcome("train.rec#1", None, reason="bad_label", detail="label 2.5 is not a whole number in [0, 2^24)")
+    assert outcome(0, offsets[0], 5) == Outcome(
+        "alice/train.rec#0", sha[0], reason="label_mismatch", detail="label 3, but the header puts key 0 in the identity range of label 5")
+    with pytest.raises(Reject) as reject:
+        load_image(items[3][1], max_pixels=params.max_pixels)
+    assert outcome(3, offsets[3]) == Outcome("eve/train.rec#3", sha[3], reason=reject.value.reason, detail=reject.value.detail)
+    whys = set()
+    for offset in (offsets[0] + 4, (folder / "train.rec").stat().st_size - 2):  # not at a record; inside the last bytes
+        with open(pack.rec, "rb") as handle, pytest.raises(RecordIOError) as error:
+            from facepipe.io.insightface_rec import read_record as read
+
+            read(handle, offset)
+        why = "truncated_record" if error.value.truncated else "bad_record"
+        assert outcome(0, offset) == Outcome("train.rec#0", None, reason=why, detail=str(error.value))
+        whys.add(why)
+    assert whys == {"bad_record", "truncated_record"}
+    accepted = outcome(0, offsets[0], 3)
+    assert accepted == Outcome("alice/train.rec#0", sha[0], header=accepted.header, payload=items[0][1])  # stored as it is
+    assert accepted.header == {
+        "path": "alice/train.rec#0", "sha256": sha[0], "box": [0.0, 0.0, 112.0, 112.0],
+        "landmarks": [[38.295, 51.696], [73.532, 51.501], [56.025, 71.737], [41.549, 92.365], [70.73, 92.204]],
+        "score": 1.0, "source_size": [112, 112], "encoding": "jpeg", "size": [112, 112],
+        "source": {"file": "train.rec", "key": 0, "label": 3},
+    }
+    resized = outcome(2, offsets[2]).header
+    assert (resized["path"], resized["box"], resized["source_size"], resized["size"]) == ("bob/train.rec#2", [0.0, 0.0, 96.0, 112.0], [96, 112], [112, 112])
+    assert resized["landmarks"][0] == [30.295, 51.696] and resized["source"] == {"file": "train.rec", "key": 2, "label": 4}
+
+
+def test_aligned_payload_refuses_small_crops_and_aligns_the_rest_onto_the_output(tmp_path):
+    from facepipe.data.decode import Reject
+    from facepipe.io.records import decode_image
+
+    params = PrepareParams(min_face_size=40)
+    with pytest.raises(Reject) as reject:
+        import_rec.aligned_payload(crop(1, 39), params)
+    assert (reject.value.reason, reject.value.detail) == ("image_too_small", "39x39 is smaller than min_face_size=40")
+    stored, image = import_rec.aligned_payload(crop(1, 40), params)  # at the bound: aligned onto 112
+    assert image.shape == (40, 40, 3) and decode_image(stored).shape == (112, 112, 3)
+    small = PrepareParams(image_size=96, encoding="png")
+    stored, image = import_rec.aligned_payload(crop(2), small)
+    assert stored.startswith(b"\x89PNG\r\n\x1a\n") and decode_image(stored).shape == (96, 96, 3) and image.shape == (112, 112, 3)
+    low, high = (import_rec.aligned_payload(crop(3, 160), PrepareParams(quality=q))[0] for q in (30, 95))
+    assert low.startswith(b"\xff\xd8\xff") and len(low) < len(high)
+
+
+def test_stray_keys_are_bad_records_named_by_the_rec_and_key():
+    from facepipe.data.extract import Outcome
+
+    pack = import_rec.RecPack(Path("/x/data.rec"), None, None)
+    layout = import_rec.Layout(*(np.zeros(0, dtype=np.int64),) * 3, True, np.array([7, 9], dtype=np.int64), {})
+    detail = "the key lies outside the header record's image and identity ranges"
+    assert import_rec._stray_outcomes(pack, layout) == [
+        Outcome("data.rec#7", None, reason="bad_record", detail=detail), Outcome("data.rec#9", None, reason="bad_record", detail=detail)]
+
+
+def test_the_import_report_counts_bytes_workers_and_rate():
+    from types import SimpleNamespace
+
+    counts = {"counts": {"scanned": 10, "accepted": 8, "rejected": 2}, "rejected_by_reason": {"bad_label": 2}, "num_identities": 3, "num_shards": 2}
+    built = SimpleNamespace(
+        manifest={"counts": counts["counts"]}, counts=lambda: counts, shard_bytes=5000,
+        builder=SimpleNamespace(payload_bytes=4000, resized=["a", "b"]),
+    )
+    assert import_rec._report(built, workers=1, elapsed=4.0006) == {
+        **counts, "payload_bytes": 4000, "shard_bytes": 5000, "resized": 2, "workers": 1, "scheduler": "in-process",
+        "timings_s": {"total": 4.001}, "images_per_s": 2.5,
+    }
+    report = import_rec._report(built, workers=2, elapsed=0.0)
+    assert (report["scheduler"], report["timings_s"], report["images_per_s"]) == ("local", {"total": 0.0}, 10e9)
+    assert import_rec._report(built, workers=3, elapsed=3.0)["images_per_s"] == 3.33
