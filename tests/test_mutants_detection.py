@@ -102,6 +102,18 @@ def test_nms_edges():
         kept = nms(empty, np.asarray([0.9, 0.8, 0.7]), 0.4)
     assert kept.tolist() == [0, 1, 2] and kept.dtype == np.int64
     assert nms(np.zeros((0, 4)), np.zeros(0), 0.4).dtype == np.int64
+    # unit boxes a pixel apart overlap nowhere: an overlap counted as 1 px wide or high would be IoU 1
+    apart = np.asarray([[0, 0, 1, 1], [2, 0, 3, 1], [0, 2, 1, 3]], np.float64)
+    assert nms(apart, np.asarray([0.9, 0.8, 0.7]), 0.4).tolist() == [0, 1, 2]
+
+
+def test_nms_keeps_the_order_of_many_equal_scores():
+    """300 disjoint boxes, four score values: ties in index order (NumPy's default sort, and
+    torchvision's, may reorder ties in a long array)."""
+    scores = np.random.default_rng(0).integers(0, 4, 300) / 4
+    corners = np.stack([np.arange(300) * 10.0, np.zeros(300)], axis=1)
+    boxes = np.concatenate([corners, corners + 5], axis=1)
+    assert nms(boxes, scores, 0.4).tolist() == sorted(range(300), key=lambda i: -scores[i])
 
 
 # -- RetinaFace: the detector against a reference written out here ------------------------------------
@@ -239,6 +251,46 @@ def test_onnxruntime_runs_one_image_at_a_time_and_torch_a_bucket_at_once(retina)
             np.testing.assert_allclose(f.box, g.box, atol=1e-3)
 
 
+class TiedNetwork:
+    """A :class:`~facepipe.detection.retinaface.Network` whose faces score exactly 0.5, 0.625 or 0.75:
+    1-px boxes on the anchors' centres (the two anchors of a cell: one box), each anchor's index as its
+    nose's x offset from the centre."""
+
+    def __init__(self, scores: np.ndarray):
+        self.scores = scores
+
+    def __call__(self, batch):
+        n, _, height, width = batch.shape
+        anchors = reference_anchors(height, width)
+        loc = np.zeros((n, len(anchors), 4), np.float32)
+        loc[..., 2:] = np.log(1 / anchors[:, 2:]) / 0.2
+        conf = np.stack([1 - self.scores, self.scores], axis=-1)[None].repeat(n, axis=0).astype(np.float32)
+        landmarks = np.zeros((n, len(anchors), 10), np.float32)
+        landmarks[..., 4] = np.arange(len(anchors)) / (0.1 * anchors[:, 2])
+        return loc, conf, landmarks
+
+
+def test_equal_scores_keep_the_network_order_and_the_floor_is_strict(retina):
+    """Ties (exact here, rare from the real network) keep the anchors' order through top_k and NMS;
+    a score equal to the floor is not above it."""
+    scores = np.random.default_rng(0).choice([0.5, 0.625, 0.75], 168)  # 168 anchors of a 64 x 64 input
+    net = retina.net
+    retina.net = TiedNetwork(scores)
+    try:
+        for retina.top_k, retina.score_floor in ((5000, 0.5), (50, 0.5), (5000, 0.625)):
+            faces = retina.detect([np.zeros((64, 64, 3), np.uint8)])[0]
+            found = [round(f.landmarks[2, 0] - (f.box[0] + f.box[2]) / 2) for f in faces]
+            order = sorted((i for i in range(168) if scores[i] > retina.score_floor), key=lambda i: -scores[i])
+            expected, cells = [], set()
+            for i in order[: retina.top_k]:
+                if i // 2 not in cells:
+                    cells.add(i // 2)
+                    expected.append(i)
+            assert found == expected and len(expected) > 20
+    finally:
+        retina.net, retina.top_k, retina.score_floor = net, 5000, 0.5
+
+
 def test_input_is_bgr_minus_the_mean_padded_with_zeros(retina):
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (5, 7, 3), dtype=np.uint8), rng.integers(0, 256, (8, 3, 3), dtype=np.uint8)]
@@ -263,6 +315,10 @@ def test_input_side_at_the_boundaries():
     assert net.input_side((500, 10, 3), reduction=2) == 500
     net.detect_size = 400
     assert net.input_side((500, 10, 3), reduction=2) == 400
+    net.detect_size, net.min_face_size = 640, 40  # 40 original px are 20 of a 1/2 decode: no shrinking
+    assert net.input_side((500, 300, 3), reduction=2) == 500
+    net.min_face_size = 64  # the image's sides, not its channels
+    assert net.input_side((2, 2, 3)) == 1
 
 
 # -- base: to_source, downscale -----------------------------------------------------------------------
@@ -311,6 +367,7 @@ def test_reduced_positions_map_to_full_pixel_centres_and_back():
     assert full.dtype == np.float64
     np.testing.assert_array_equal(full, [[1.5, 1.5], [5.5, 11.5]])
     np.testing.assert_array_equal(decoded.from_full(full), points)
+    assert decoded.from_full(points).dtype == np.float64  # float32 positions computed in float64
     np.testing.assert_array_equal(decoded.from_full([[1.5, 7.5]]), [[0, 1.5]])
     assert decoded.to_full(np.float32(1e-6)) == pytest.approx(1.5 + 4e-6, rel=1e-12)
     assert decoded.from_full(np.float32(1e-6)) == pytest.approx((1e-6 - 1.5) / 4, rel=1e-9)
@@ -361,6 +418,19 @@ def test_fast_decode_reduced_sides_round_up_and_grey_turns_rgb():
         decoded = _decode_jpeg(grey, pil, 1)
     assert decoded is not None and decoded.image.shape == (34, 50, 3)
     assert (decoded.image == decoded.image[..., :1]).all()
+
+
+@pytest.mark.parametrize("shape", [(40, 1), (1, 40)])
+def test_fast_decode_of_a_one_pixel_wide_or_high_photo(shape):
+    """libjpeg picks the smallest scale at least as large as asked on both sides: a side of 1 px is
+    that large at every scale, so the other side must be asked for too."""
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    data = jpeg(image, quality=95)
+    with Image.open(io.BytesIO(data)) as pil:
+        decoded = _decode_jpeg(data, pil, 1)
+    assert decoded is not None and decoded.image.shape == (*shape, 3)
+    np.testing.assert_array_equal(decoded.image, pillow_only(data, None).image)
 
 
 def test_fast_decode_leaves_fill_coloured_bottom_rows_to_pillow():
