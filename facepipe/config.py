@@ -38,6 +38,8 @@ CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ExportFormat = Literal["onnx", "torchscript"]
 DetectorName = Literal["mtcnn", "retinaface", "none", "facenet_pytorch"]
+RuntimeName = Literal["torch", "onnx"]
+SearchMethod = Literal["auto", "exact", "faiss"]
 
 
 class ParamsError(FacepipeError):
@@ -420,6 +422,20 @@ class PipelineParams(Section):
         return value
 
 
+class EmbedParams(Section):
+    """``embed``, ``compare``, ``search``: the trained model on photos. How faces are found and cut is
+    not here: it is the model's training set's (``faces`` in model.json), so it cannot drift."""
+
+    runtime: RuntimeName = Field("torch", description="torch: MODEL/backbone.pt; onnx: an export folder's backbone.onnx through onnxruntime")
+    batch_size: int = Field(64, ge=1, description="faces per forward pass (within one chunk of photos)")
+    flip: bool = Field(True, description="add the embedding of the mirrored face before normalizing (as evaluate)")
+    all_faces: bool = Field(False, description="embed every face that passes the gates, not only the selected one")
+    files_per_part: int = Field(256, ge=1, description="photos per output part (the unit of resume after a kill)")
+    device: DeviceChoice = "auto"
+    top_k: int = Field(5, ge=1, description="search: identities listed per probe")
+    search_method: SearchMethod = Field("auto", description="search: exact (numpy), faiss, or auto (by gallery size)")
+
+
 SECTIONS: dict[str, type[Section]] = {
     "pipeline": PipelineParams,
     "prepare": PrepareParams,
@@ -429,6 +445,7 @@ SECTIONS: dict[str, type[Section]] = {
     "evaluate": EvaluateParams,
     "ijb": IjbParams,
     "export": ExportParams,
+    "embed": EmbedParams,
 }
 
 S = TypeVar("S", bound=Section)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,8 @@ class Outcome:
     payload: bytes | None = None
     reason: str | None = None
     detail: str = ""
+    #: with ``all_faces``: the photo's other faces that pass the gates, each accepted like this one
+    others: tuple[Outcome, ...] = ()
 
     @property
     def accepted(self) -> bool:
@@ -66,6 +68,13 @@ def warm_up(params: PrepareParams, device: str = "auto") -> None:
 
 
 def _gate(faces: list[Face], params: PrepareParams, shape: tuple[int, ...]) -> Face:
+    """The face a photo stands for: the selected one of those that pass the gates (a Reject if none)."""
+    return _passing(faces, params, shape)[0]
+
+
+def _passing(faces: list[Face], params: PrepareParams, shape: tuple[int, ...]) -> list[Face]:
+    """The faces that pass the score and size gates, the selected one (``face_selection``) first,
+    then the others by score, highest first; a Reject when none passes."""
     if not faces:
         raise Reject("no_face", "detector found no face")
     confident = [face for face in faces if face.score >= params.score_threshold]
@@ -76,7 +85,8 @@ def _gate(faces: list[Face], params: PrepareParams, shape: tuple[int, ...]) -> F
     if not big:
         largest = max(face.size for face in confident)
         raise Reject("face_too_small", f"largest face {largest:.0f}px < min_face_size={params.min_face_size}")
-    return select_face(big, params.face_selection, shape)
+    selected = select_face(big, params.face_selection, shape)
+    return [selected, *sorted((face for face in big if face is not selected), key=lambda face: -face.score)]
 
 
 def _alignment_source(decoded: Decoded, data: bytes | None, face: Face, params: PrepareParams) -> tuple[np.ndarray, np.ndarray]:
@@ -131,16 +141,26 @@ def _accept(path: str, sha: str, decoded: Decoded, data: bytes | None, face: Fac
     return Outcome(path, sha, header=header, payload=payload)
 
 
-def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device: str = "auto") -> list[Outcome]:
+def process_chunk(
+    paths: list[str],
+    raw_root: str,
+    params: PrepareParams,
+    device: str = "auto",
+    *,
+    all_faces: bool = False,
+    identity_folders: bool = True,
+) -> list[Outcome]:
     """Read, hash, decode, detect, gate, align and encode every file of ``paths`` (scan paths, relative
     to ``raw_root``). Returns one :class:`Outcome` per path, in the order given. Every per-image
     problem is a reject. Decoded images are batched under :data:`DECODE_BUDGET_PIXELS`.
+    ``all_faces``: an accepted outcome carries the photo's other faces in ``others``; with
+    ``identity_folders`` off, files directly in ``raw_root`` are read too (``facepipe embed``).
     """
     outcomes: dict[int, Outcome] = {}
     batch: list[tuple[int, str, Decoded, bytes | None]] = []
     held = 0
     for index, path in enumerate(paths):
-        read = _read(path, raw_root, params)
+        read = _read(path, raw_root, params, identity_folders=identity_folders)
         if isinstance(read, Outcome):
             outcomes[index] = read
             continue
@@ -148,7 +168,7 @@ def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device
         # flush before decoding: the image being decoded counts against the budget too
         pixels = header_pixels(data)
         if batch and held + pixels > DECODE_BUDGET_PIXELS:
-            outcomes.update(_detect_and_align(batch, paths, params, device))
+            outcomes.update(_detect_and_align(batch, paths, params, device, all_faces=all_faces))
             batch, held = [], 0
         decoded = _decode(path, sha, data, params)
         # the file's bytes are not kept while the next one is read, except a reduced decode's (a small
@@ -161,7 +181,7 @@ def process_chunk(paths: list[str], raw_root: str, params: PrepareParams, device
         batch.append((index, sha, decoded, kept))
         held += pixels
     if batch:
-        outcomes.update(_detect_and_align(batch, paths, params, device))
+        outcomes.update(_detect_and_align(batch, paths, params, device, all_faces=all_faces))
     return [outcomes[index] for index in range(len(paths))]
 
 
@@ -175,9 +195,9 @@ def with_scan_rejects(chunk: Sequence[ScanItem], processed: Sequence[Outcome]) -
     return outcomes
 
 
-def _read(path: str, raw_root: str, params: PrepareParams) -> Outcome | tuple[str, bytes]:
+def _read(path: str, raw_root: str, params: PrepareParams, *, identity_folders: bool = True) -> Outcome | tuple[str, bytes]:
     """``(sha256, bytes)`` of one file, or its reject."""
-    if "/" not in path:
+    if identity_folders and "/" not in path:
         return Outcome(path, None, reason="outside_identity_folder", detail="file is not inside an identity folder")
     limit = max_file_bytes(params.max_pixels)
     try:
@@ -206,7 +226,12 @@ def _decode(path: str, sha: str, data: bytes, params: PrepareParams) -> Outcome 
 
 
 def _detect_and_align(
-    batch: list[tuple[int, str, Decoded, bytes | None]], paths: list[str], params: PrepareParams, device: str
+    batch: list[tuple[int, str, Decoded, bytes | None]],
+    paths: list[str],
+    params: PrepareParams,
+    device: str,
+    *,
+    all_faces: bool = False,
 ) -> dict[int, Outcome]:
     """Outcomes of decoded images (one detector batch), by their index in ``paths``."""
     detector = get_detector(params.detector, params.detector_weights, params.min_face_size, params.detect_size, device)
@@ -237,9 +262,12 @@ def _detect_and_align(
         r = decoded.reduction  # gates, selection and the header work in full-resolution pixels
         faces = [Face(box=f.box * r, score=f.score, landmarks=decoded.to_full(f.landmarks)) for f in faces] if r > 1 else faces
         try:
-            face = _gate(faces, params, (decoded.size[1], decoded.size[0]))
+            kept = _passing(faces, params, (decoded.size[1], decoded.size[0]))
         except Reject as reject:
             outcomes[index] = Outcome(path, sha, reason=reject.reason, detail=reject.detail)
             continue
-        outcomes[index] = _accept(path, sha, decoded, data, face, params)
+        outcomes[index] = _accept(path, sha, decoded, data, kept[0], params)
+        if all_faces and outcomes[index].accepted and len(kept) > 1:
+            others = tuple(_accept(path, sha, decoded, data, face, params) for face in kept[1:])
+            outcomes[index] = replace(outcomes[index], others=tuple(o for o in others if o.accepted))
     return outcomes

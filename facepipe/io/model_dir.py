@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -83,6 +84,8 @@ class ModelSpec(BaseModel):
     crop: CropName = "arcface"
     normalization: Normalization = Field(default_factory=lambda: Normalization.of("arcface"))
     init_from: dict[str, str] | None = None
+    #: the training set's prepare params (its manifest's ``params``): how ``embed`` finds and cuts faces
+    faces: dict[str, Any] | None = None
 
 
 class Normalization(BaseModel):

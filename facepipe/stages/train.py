@@ -363,6 +363,7 @@ def _model_spec(params: TrainParams, dataset: FaceDataset, model: Any, *, init: 
         crop=shard_set_crop(dataset.shards.manifest),
         normalization=Normalization.of(getattr(model.backbone, "family", "arcface")),
         init_from=None if init is None else init.as_dict(),
+        faces=dataset.shards.manifest.get("params"),
     )
 
 
