@@ -299,3 +299,48 @@ def test_compare_a_photo_without_a_face_is_a_one_line_error(pipeline, tmp_path, 
     assert code == 2 and len(err.splitlines()) == 1 and f"{blank}: no usable face (no_face" in err
     code, _, err = cli(capsys, "compare", str(face), str(tmp_path / "missing.jpg"), "--model", str(pipeline.model))
     assert code == 2 and "photo not found" in err
+
+
+# --- the library call and the Prefect flow ------------------------------------------------------------
+
+
+def test_library_embed_writes_what_the_stage_writes_and_returns_it(pipeline, embedded, tmp_path):
+    import facepipe
+
+    out = tmp_path / "out"
+    overrides = {key: getattr(EMBED, key) for key in ("device", "batch_size", "files_per_part")}
+    result = facepipe.embed(pipeline.raw, pipeline.model, out, workers=1, progress=False, **overrides)
+    assert isinstance(result, facepipe.Embeddings) and files_of(out) == files_of(embedded)
+    assert np.array_equal(result.matrix, store.load_embeddings(embedded).matrix)
+    photos = photos_of(pipeline.raw, result.rows[0]["identity"])[:2]
+    assert facepipe.compare(*photos, pipeline.model, device="cpu")["score"] > 0
+    with pytest.raises(ValueError, match="files_per_part"):
+        facepipe.embed(pipeline.raw, pipeline.model, tmp_path / "bad", files_per_part=0)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.mark.multiprocess
+def test_prefect_flow_refreshes_a_gallery_incrementally(harness, pipeline, tmp_path):
+    from flows.embed import embed_flow
+
+    raw = tmp_path / "raw"
+    identities = sorted(p.name for p in pipeline.raw.iterdir() if p.is_dir())
+    for identity in identities[:2]:
+        copy_tree(pipeline.raw / identity, raw / identity)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"embed": EMBED.model_dump(mode="json"), "prepare": FACES.model_dump(mode="json")}))
+    out = tmp_path / "gallery"
+    count = lambda folder: sum(1 for p in folder.rglob("*") if p.is_file())  # noqa: E731
+    first = embed_flow(str(raw), str(pipeline.model), str(out), params_file=str(params), workers=1)
+    assert first["files"] == {"embedded": count(raw), "reused": 0, "removed": 0}
+    copy_tree(pipeline.raw / identities[2], raw / identities[2])
+    second = embed_flow(str(raw), str(pipeline.model), str(out), params_file=str(params), workers=1)
+    assert second["files"] == {"embedded": count(raw / identities[2]), "reused": count(raw) - count(raw / identities[2]), "removed": 0}
+    assert {r["identity"] for r in store.load_embeddings(out).rows} == set(identities[:3])

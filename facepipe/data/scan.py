@@ -23,7 +23,7 @@ import errno
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,3 +216,18 @@ def _file_type(mode: int) -> str:
         if test(mode):
             return name
     return "unknown type"
+
+
+def file_stats(raw: Path, items: Iterable[ScanItem]) -> dict[str, tuple[int, int]]:
+    """{scan path: (size, mtime_ns)} of every file the workers will read, taken before they read it
+    (a file that changes after its stat is seen as changed by the next update, never missed)."""
+    root = os.fsencode(raw)
+    stats = {}
+    for item in items:
+        if item.reason is None:
+            try:
+                info = os.stat(os.path.join(root, unescape_path(item.path)))
+            except OSError:
+                continue  # the worker reports it (io_error)
+            stats[item.path] = (info.st_size, info.st_mtime_ns)
+    return stats

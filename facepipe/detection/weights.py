@@ -192,12 +192,6 @@ def check_model(data: bytes, spec: WheelWeights, *, source: Path) -> None:
         )
 
 
-def weights_record(path: str | os.PathLike[str]) -> dict[str, str]:
-    """What a manifest records of a weights file given by path: its name and sha256, never the path
-    (a manifest holds no absolute paths, and the same weights anywhere give the same manifest)."""
-    return {"file": Path(path).name, "sha256": sha256_file(Path(path))}
-
-
 def installed_member(spec: WheelWeights) -> Path | None:
     """``spec.member`` of the installed distribution of ``spec.requirement`` (the pinned version), or
     None when that distribution is not installed. Located through its metadata, never imported."""

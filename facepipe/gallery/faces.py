@@ -7,6 +7,7 @@ from typing import Any
 
 from facepipe.config import PrepareParams
 from facepipe.errors import FacepipeError
+from facepipe.io.manifest import weights_record
 from facepipe.io.model_dir import ModelSpec
 
 log = logging.getLogger("facepipe.embed")
@@ -47,8 +48,6 @@ def _recorded(faces: dict[str, Any], given: PrepareParams | None) -> PreparePara
     content = dict(faces)
     weights = content.pop("detector_weights", None)
     if weights is not None:
-        from facepipe.detection.weights import weights_record
-
         path = given.detector_weights if given is not None else None
         if path is None or weights_record(path) != weights:
             raise FacepipeError(

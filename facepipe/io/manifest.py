@@ -82,6 +82,24 @@ def build_manifest(
     return manifest
 
 
+def recorded_params(params: Any) -> dict[str, Any]:
+    """Prepare params (``PrepareParams``) as a manifest records them: resolved, weights given by path
+    recorded by name and sha256 (never the path: the same weights anywhere give the same manifest)."""
+    resolved = params.model_dump()
+    if params.crop == "arcface":
+        # recorded only when it differs from the one crop there was before: earlier sets keep their
+        # manifest byte for byte (and stay growable by --update)
+        del resolved["crop"], resolved["margin"]
+    if params.detector_weights is not None:
+        resolved["detector_weights"] = weights_record(params.detector_weights)
+    return resolved
+
+
+def weights_record(path: str | Path) -> dict[str, str]:
+    """What a manifest records of a weights file given by path: its name and sha256."""
+    return {"file": Path(path).name, "sha256": sha256_file(Path(path))}
+
+
 def shard_set_crop(manifest: Mapping[str, Any]) -> str:
     """How the set's faces were cut (``prepare.crop``): recorded only when not arcface, the crop of
     every set prepared before there was a choice (and of imported sets: aligned crops)."""

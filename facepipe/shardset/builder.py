@@ -21,7 +21,16 @@ from facepipe.alignment import template
 from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
 from facepipe.io.atomic import OutputKind, json_key_file
-from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, build_manifest, duplicate_detail, reject_line, write_metadata
+from facepipe.io.manifest import (
+    SOURCES_FILE,
+    SOURCES_KEY,
+    SourcesDigest,
+    build_manifest,
+    duplicate_detail,
+    reject_line,
+    write_metadata,
+)
+from facepipe.io.manifest import recorded_params as manifest_params
 from facepipe.io.records import encode_record
 from facepipe.io.shards import SET_FORMAT, SHARD_PATTERN, SHARDS_DIR, ShardInfo, ShardSet, ShardWriter, shard_name
 from facepipe.io.validation_sets import PATTERN as VALIDATION_PATTERN
@@ -207,20 +216,6 @@ class Generation:
     identities: tuple[str, ...] = ()
     generations: tuple[dict[str, Any], ...] = ()
     params: dict[str, Any] | None = None
-
-
-def manifest_params(params: PrepareParams) -> dict[str, Any]:
-    """The resolved parameters for the manifest; weights given by path are recorded by name and sha256."""
-    resolved = params.model_dump()
-    if params.crop == "arcface":
-        # recorded only when it differs from the one crop there was before: earlier sets keep their
-        # manifest byte for byte (and stay growable by --update)
-        del resolved["crop"], resolved["margin"]
-    if params.detector_weights is not None:
-        from facepipe.detection.weights import weights_record
-
-        resolved["detector_weights"] = weights_record(params.detector_weights)
-    return resolved
 
 
 def reasons_text(builder: SetBuilder) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
-from facepipe.data.scan import ScanItem, read_raw_file, unescape_path
+from facepipe.data.scan import ScanItem, file_stats, read_raw_file, unescape_path
 from facepipe.errors import FacepipeError
 from facepipe.io.manifest import SOURCES_FILE, SOURCES_KEY, SourcesDigest, metadata_problems, read_jsonl
 from facepipe.io.shards import SET_VERSION, ShardInfo, ShardSet, ShardSetError
@@ -47,21 +47,6 @@ class NotGrowable(FacepipeError):
 def has_set(out: Path) -> bool:
     """True when ``out`` holds something to update (a manifest); an absent or empty OUT is prepared in full."""
     return (out / "manifest.json").is_file() or (out.is_dir() and any(out.iterdir()))
-
-
-def file_stats(raw: Path, items: Iterable[ScanItem]) -> dict[str, tuple[int, int]]:
-    """{scan path: (size, mtime_ns)} of every file the workers will read, taken before they read it
-    (a file that changes after its stat is seen as changed by the next update, never missed)."""
-    root = os.fsencode(raw)
-    stats = {}
-    for item in items:
-        if item.reason is None:
-            try:
-                info = os.stat(os.path.join(root, unescape_path(item.path)))
-            except OSError:
-                continue  # the worker reports it (io_error)
-            stats[item.path] = (info.st_size, info.st_mtime_ns)
-    return stats
 
 
 @dataclass

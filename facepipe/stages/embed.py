@@ -32,16 +32,15 @@ import numpy as np
 from facepipe.cluster import chunk_runner, local_workers, ordered_results
 from facepipe.config import EmbedParams, PrepareParams
 from facepipe.data.extract import Outcome, process_chunk, warm_up
-from facepipe.data.scan import ScanItem, escape_name, looks_like_image, scan_raw
+from facepipe.data.scan import ScanItem, escape_name, file_stats, looks_like_image, scan_raw
 from facepipe.errors import FacepipeError
 from facepipe.gallery import store
 from facepipe.gallery.faces import training_faces
 from facepipe.gallery.runtime import ModelRef, embedder, resolve_model
 from facepipe.io.atomic import atomic_write, check_apart, check_replaceable, remove_stale_temporaries
-from facepipe.io.manifest import dumps
+from facepipe.io.manifest import dumps, recorded_params
 from facepipe.io.records import decode_image
 from facepipe.progress import Progress
-from facepipe.shardset.update import file_stats
 
 log = logging.getLogger("facepipe.embed")
 
@@ -322,8 +321,6 @@ def _rewrite(out: Path, name: str, old: store.Part, lines: list[dict[str, Any]],
 
 def _manifest(out: Path, plan: Plan, items: list[ScanItem], *, ref: ModelRef, work: Work, settings: str) -> dict[str, Any]:
     """Write index.jsonl and rejects.jsonl from the parts in row order; returns embed.json's content."""
-    from facepipe.shardset import manifest_params
-
     parts, rejects = [], [{"path": i.path, "reason": i.reason, "detail": i.detail} for i in items if i.reason]
     photos = 0
 
@@ -343,7 +340,7 @@ def _manifest(out: Path, plan: Plan, items: list[ScanItem], *, ref: ModelRef, wo
         "format": store.FORMAT,
         "version": store.VERSION,
         "model": ref.describe(),
-        "faces": manifest_params(work.faces),
+        "faces": recorded_params(work.faces),
         "embed": {"flip": work.flip, "all_faces": work.all_faces, "batch_size": work.batch_size},
         "settings": settings,
         "counts": {"scanned": len(items), "photos": photos, "faces": sum(p["faces"] for p in parts), "rejected": len(rejects)},
