@@ -52,3 +52,12 @@ def retinaface_onnx() -> bytes:
             pytest.skip(f"RetinaFace weights unavailable: {error}")
         raise
     return weights.load_onnx_bytes("retinaface")
+
+
+@pytest.fixture(scope="session")
+def trained_pipeline(tmp_path_factory: pytest.TempPathFactory):
+    """The sample photos prepared at 56 px, a small model trained on them, evaluated and exported, each
+    by its stage (tests/embed_helpers.py): what embed, compare and search run on. About a minute."""
+    from embed_helpers import build_pipeline
+
+    return build_pipeline(tmp_path_factory.mktemp("trained_pipeline"))

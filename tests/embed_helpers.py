@@ -11,7 +11,7 @@ import numpy as np
 
 from facepipe.config import EmbedParams, EvaluateParams, ExportParams, PrepareParams, SampleDataParams, SplitParams
 from facepipe.synthetic.photos import make_sample_dataset
-from tests.train_helpers import tiny_params
+from train_helpers import tiny_params
 
 SIZE = 56  # small faces keep the backbone fast on a CPU
 FACES = PrepareParams(image_size=SIZE, chunk_size=4)
@@ -35,7 +35,7 @@ def build_pipeline(root: Path) -> Pipeline:
     prepared, model, out = root / "prepared", root / "model", root / "eval"
     prepare.run(FACES, raw, prepared, workers=1, progress=False)
     split.run(SplitParams(val_identities=3, num_pairs=60, seed=0), prepared, root / "split")
-    params = tiny_params(embedding_size=32, epochs=30, batch_size=8, reference_batch=8, lr=0.05, scale=16.0)
+    params = tiny_params(embedding_size=32, epochs=12, batch_size=8, reference_batch=8, lr=0.05, scale=16.0)
     train.run(params, prepared, model)
     evaluate.run(
         EvaluateParams(batch_size=16, device="cpu", folds=2, far_targets=(0.1, 1e-4)), model, prepared, out,

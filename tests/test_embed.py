@@ -25,14 +25,14 @@ from facepipe.gallery.runtime import resolve_model
 from facepipe.io.model_dir import load_backbone, read_model_spec
 from facepipe.io.shards import ShardSet
 from facepipe.stages import compare, embed
-from tests.embed_helpers import EMBED, FACES, Pipeline, build_pipeline, copy_tree, cosine, photos_of
+from embed_helpers import EMBED, FACES, Pipeline, copy_tree, cosine, photos_of
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Pipeline:
-    return build_pipeline(tmp_path_factory.mktemp("embed"))
+def pipeline(trained_pipeline: Pipeline) -> Pipeline:
+    return trained_pipeline
 
 
 @pytest.fixture(scope="module")
@@ -316,31 +316,3 @@ def test_library_embed_writes_what_the_stage_writes_and_returns_it(pipeline, emb
     assert facepipe.compare(*photos, pipeline.model, device="cpu")["score"] > 0
     with pytest.raises(ValueError, match="files_per_part"):
         facepipe.embed(pipeline.raw, pipeline.model, tmp_path / "bad", files_per_part=0)
-
-
-@pytest.fixture(scope="module")
-def harness():
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
-
-
-@pytest.mark.multiprocess
-def test_prefect_flow_refreshes_a_gallery_incrementally(harness, pipeline, tmp_path):
-    from flows.embed import embed_flow
-
-    raw = tmp_path / "raw"
-    identities = sorted(p.name for p in pipeline.raw.iterdir() if p.is_dir())
-    for identity in identities[:2]:
-        copy_tree(pipeline.raw / identity, raw / identity)
-    params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"embed": EMBED.model_dump(mode="json"), "prepare": FACES.model_dump(mode="json")}))
-    out = tmp_path / "gallery"
-    count = lambda folder: sum(1 for p in folder.rglob("*") if p.is_file())  # noqa: E731
-    first = embed_flow(str(raw), str(pipeline.model), str(out), params_file=str(params), workers=1)
-    assert first["files"] == {"embedded": count(raw), "reused": 0, "removed": 0}
-    copy_tree(pipeline.raw / identities[2], raw / identities[2])
-    second = embed_flow(str(raw), str(pipeline.model), str(out), params_file=str(params), workers=1)
-    assert second["files"] == {"embedded": count(raw / identities[2]), "reused": count(raw) - count(raw / identities[2]), "removed": 0}
-    assert {r["identity"] for r in store.load_embeddings(out).rows} == set(identities[:3])

@@ -116,3 +116,27 @@ def test_missing_raw_data_is_named(harness, tmp_path):
     assert state.is_failed()
     with pytest.raises(Exception, match="data/nope does not exist"):
         state.result()
+
+
+def test_embed_flow_refreshes_a_gallery_incrementally(harness, trained_pipeline, tmp_path):
+    """flows/embed.py: a second run embeds only the photos that arrived (the stage's update)."""
+    from facepipe.gallery import store
+    from flows.embed import embed_flow
+    from embed_helpers import EMBED, FACES, copy_tree
+
+    pipeline = trained_pipeline
+
+    raw = tmp_path / "raw"
+    identities = sorted(p.name for p in pipeline.raw.iterdir() if p.is_dir())
+    for identity in identities[:2]:
+        copy_tree(pipeline.raw / identity, raw / identity)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"embed": EMBED.model_dump(mode="json"), "prepare": FACES.model_dump(mode="json")}))
+    out = tmp_path / "gallery"
+    count = lambda folder: sum(1 for p in folder.rglob("*") if p.is_file())  # noqa: E731
+    first = embed_flow(str(raw), str(pipeline.model), str(out), params_file=str(params), workers=1)
+    assert first["files"] == {"embedded": count(raw), "reused": 0, "removed": 0}
+    copy_tree(pipeline.raw / identities[2], raw / identities[2])
+    second = embed_flow(str(raw), str(pipeline.model), str(out), params_file=str(params), workers=1)
+    assert second["files"] == {"embedded": count(raw / identities[2]), "reused": count(raw) - count(raw / identities[2]), "removed": 0}
+    assert {r["identity"] for r in store.load_embeddings(out).rows} == set(identities[:3])
