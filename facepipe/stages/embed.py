@@ -206,6 +206,8 @@ def run(
             _rewrite(out, name, plan.old_parts[source.old], source.lines, settings)
     manifest = _manifest(out, plan, items, ref=ref, work=work, settings=settings)
     report = {
+        "raw": str(raw.resolve()),  # where the photos are (search shows thumbnails from there); not in embed.json
+        "model": str(Path(model).resolve()),
         "counts": manifest["counts"],
         "files": {"reused": plan.reused, "embedded": sum(len(t) for _, t in todo), "removed": plan.removed},
         "workers": n_workers,
