@@ -10,7 +10,7 @@ from typing import Any
 from facepipe.config import EmbedParams, PrepareParams, load_section
 from facepipe.gallery.store import Embeddings, load_embeddings
 
-__all__ = ["embed", "compare", "load_embeddings", "Embeddings"]
+__all__ = ["embed", "compare", "search", "load_embeddings", "Embeddings"]
 
 
 def _params(params_file: str | Path | None, overrides: dict[str, Any]) -> tuple[EmbedParams, PrepareParams | None]:
@@ -55,3 +55,21 @@ def compare(
 
     params, faces = _params(params_file, overrides)
     return stage.run(params, a, b, model, thresholds=thresholds, far=far, faces_params=faces)
+
+
+def search(
+    gallery: str | Path,
+    probes: str | Path,
+    *,
+    model: str | Path | None = None,
+    thresholds: str | Path | None = None,
+    params_file: str | Path | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """The top-k identities (``top_k=``) of each probe face in ``gallery`` (an embedding folder):
+    ``probes`` is another embedding folder, or photos (a file or folder) embedded with ``model``, the
+    gallery's. Returns the summary; ``results`` holds one entry per probe face, best match first."""
+    from facepipe.stages import search as stage
+
+    params, faces = _params(params_file, overrides)
+    return stage.run(params, gallery, probes, model=model, thresholds=thresholds, faces_params=faces)

@@ -316,3 +316,28 @@ def test_library_embed_writes_what_the_stage_writes_and_returns_it(pipeline, emb
     assert facepipe.compare(*photos, pipeline.model, device="cpu")["score"] > 0
     with pytest.raises(ValueError, match="files_per_part"):
         facepipe.embed(pipeline.raw, pipeline.model, tmp_path / "bad", files_per_part=0)
+
+
+def test_a_run_with_other_settings_leaves_the_committed_folder_whole_until_its_commit(pipeline, embedded, tmp_path, monkeypatch):
+    out = copy_tree(embedded, tmp_path / "out")
+    before = store.load_embeddings(out)
+
+    def killed(folder, manifest):
+        raise KeyboardInterrupt  # the process dies just before writing embed.json
+
+    monkeypatch.setattr(store, "commit", killed)
+    with pytest.raises(KeyboardInterrupt):
+        embed.run(EMBED.model_copy(update={"flip": False}), pipeline.raw, pipeline.model, out, workers=1, progress=False)
+    after = store.load_embeddings(out)  # every part embed.json lists is still the one it lists
+    assert np.array_equal(after.matrix, before.matrix) and after.rows == before.rows
+    names = sorted(p.stem for p in (out / store.PARTS).glob("part-*.jsonl"))
+    assert names[len(before.manifest["parts"])] == store.part_name(len(before.manifest["parts"]))  # new ones after
+
+
+def test_a_folder_holding_only_files_named_like_ours_is_not_ours(pipeline, tmp_path, capsys):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "index.jsonl").write_text('{"my": "notes"}\n')
+    code, _, err = cli(capsys, "embed", str(pipeline.raw), str(pipeline.model), str(out))
+    assert code == 2 and "refusing to replace" in err
+    assert [p.name for p in out.iterdir()] == ["index.jsonl"]

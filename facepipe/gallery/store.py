@@ -53,8 +53,8 @@ EMBEDDING_FOLDER = OutputKind(
         MANIFEST, INDEX, REJECTS, REPORT, f".{MANIFEST}.tmp-*", f".{INDEX}.tmp-*", f".{REJECTS}.tmp-*", f".{REPORT}.tmp-*",
         f"{PARTS}/part-*.npy", f"{PARTS}/part-*.jsonl", f"{PARTS}/.part-*.tmp-*",
     ),  # fmt: skip
-    identify=lambda folder: not (folder / MANIFEST).exists() or json_key_file(MANIFEST, format=FORMAT)(folder),
-)
+    identify=lambda folder: json_key_file(MANIFEST, format=FORMAT)(folder) if (folder / MANIFEST).exists() else (folder / PARTS).is_dir(),
+)  # without embed.json (a first run killed before its commit): the parts/ folder every run makes first
 
 
 def part_name(number: int) -> str:

@@ -136,10 +136,14 @@ def plan_parts(out: Path, items: list[ScanItem], stats: dict[str, tuple[int, int
     """Decide the parts of this run from the committed folder ``out`` (if any, with the same settings):
     a part whose photos are all unchanged (size, mtime) is kept, one that lost some is rewritten
     under a new name, and every other photo is embedded into new parts of ``files_per_part``."""
-    plan, kept_paths, rewrites = Plan(), set(), []
-    previous = _previous(out, settings)
-    committed = previous["parts"] if previous else []
-    number = max((store.part_number(entry["name"]) + 1 for entry in committed), default=0)
+    plan, kept_paths = Plan(), set()
+    manifest = store.read_manifest(out) if (out / store.MANIFEST).is_file() else None
+    # new parts are numbered after every committed one: until the new embed.json is written, the
+    # committed parts stay exactly as it lists them, whatever this run does
+    number = max((store.part_number(entry["name"]) + 1 for entry in manifest["parts"]), default=0) if manifest else 0
+    if manifest is not None and manifest.get("settings") != settings:
+        log.warning("embed: %s was embedded with another model or settings: every photo is embedded again", out)
+    committed = manifest["parts"] if manifest is not None and manifest.get("settings") == settings else []
     for entry in committed:
         part = store.read_part(out, entry["name"])
         if part is None or part.header["embeddings_sha256"] != entry["sha256"]:
@@ -160,17 +164,6 @@ def plan_parts(out: Path, items: list[ScanItem], stats: dict[str, tuple[int, int
         plan.parts.append((store.part_name(number), todo[start : start + files_per_part]))
         number += 1
     return plan
-
-
-def _previous(out: Path, settings: str) -> dict[str, Any] | None:
-    """The committed embed.json of ``out`` when its rows can be reused by a run with ``settings``."""
-    if not (out / store.MANIFEST).is_file():
-        return None
-    manifest = store.read_manifest(out)
-    if manifest.get("settings") != settings:
-        log.warning("embed: %s was embedded with another model or settings: every photo is embedded again", out)
-        return None
-    return manifest
 
 
 def run(
