@@ -38,6 +38,7 @@ CommHook = Literal["none", "fp16", "bf16", "powersgd"]
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 ExportFormat = Literal["onnx", "torchscript"]
 DetectorName = Literal["mtcnn", "retinaface", "none", "facenet_pytorch"]
+SearchMethod = Literal["auto", "exact", "faiss"]
 
 
 class ParamsError(FacepipeError):
