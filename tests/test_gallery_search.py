@@ -148,6 +148,19 @@ def test_approximate_indexes_find_the_exact_top1(kind, identities, rows_per_iden
     assert all(len(m) == 5 and len({x.identity for x in m}) == 5 for m in approximate)
 
 
+def test_an_index_that_finds_fewer_rows_than_asked_gives_what_it_found(monkeypatch):
+    """IVF scanning one list of ~40 rows, asked for 600: faiss pads with row -1, which is no row."""
+    monkeypatch.setattr(search_module, "IVF_NPROBE", 1)
+    gallery, keys, probes = clustered(10, identities=200, per_identity=10, dim=16, probes=20)
+    found = Gallery(gallery, keys, index="ivf").search(probes, k=30, method="faiss")
+    assert all(1 <= len(matches) <= 30 for matches in found) and min(map(len, found)) < 30
+    for matches, probe in zip(found, probes):
+        assert all(keys[m.row] == m.identity and m.row >= 0 for m in matches)
+        assert len({m.identity for m in matches}) == len(matches)
+        np.testing.assert_allclose([m.score for m in matches], gallery[[m.row for m in matches]] @ probe, atol=1e-5)
+        assert [m.score for m in matches] == sorted((m.score for m in matches), reverse=True)
+
+
 def test_blocked_exact_equals_one_block(monkeypatch):
     """Blocks of 7 probes and 13 rows (neither divides 1000 rows nor 30 probes) give the answer of
     one block each; the rows kept per probe (8 or 40) are both under and over a block."""
@@ -162,6 +175,23 @@ def test_blocked_exact_equals_one_block(monkeypatch):
     assert [sorted(r) for r in rows.tolist()] == [sorted(r) for r in rows_whole[1].tolist()]
     np.testing.assert_allclose(np.sort(scores, axis=1), np.sort(rows_whole[0], axis=1), atol=1e-6)
     assert_same(whole[5], brute_force(gallery, keys, probes, 5))
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+@pytest.mark.parametrize("first", [True, False])
+def test_a_tie_below_the_rows_fetched_is_fetched_too(method, first):
+    """10 rows of m score 0.9, then 30 one-row identities tie at 0.5: the second identity is the
+    first name of the 30 however many of them the first fetches held (t00 first or last in the gallery)."""
+    rng = np.random.default_rng(11)
+    probe = unit(rng.standard_normal((1, 8)))
+    side = unit(rng.standard_normal((1, 8)))
+    side = unit(side - (side @ probe.T) * probe)  # orthogonal to the probe
+    high, tied = unit(0.9 * probe + np.sqrt(0.19) * side), unit(0.5 * probe + np.sqrt(0.75) * side)
+    names = [f"t{i:02d}" for i in range(30)]
+    names = names if first else names[::-1]
+    gallery, keys = np.concatenate([np.repeat(high, 10, 0), np.repeat(tied, 30, 0)]), ["m"] * 10 + names
+    found = search(gallery, keys, probe, k=2, method=method)
+    assert [m.identity for m in found[0]] == ["m", "t00"]
 
 
 def test_unit_rows_within_the_tolerance_are_accepted():
