@@ -43,9 +43,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--singles", type=int, default=9, help="single-probe calls per method (median)")
     parser.add_argument("--rows-per-identity", type=int, default=4)
     parser.add_argument("--noise", type=float, default=0.7, help="noise norm around a unit identity centre")
-    parser.add_argument("--nprobe", default="4,8,16,32,64", help="IVF lists scanned: the sweep of the last table")
+    parser.add_argument("--nprobe", default="4,8,16,32,64,128", help="IVF lists scanned: the sweep of the last table")
     parser.add_argument("-k", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faiss-threads", type=int, default=0, help="faiss's OpenMP threads (0: faiss's default, one per core)")
     return parser
 
 
@@ -136,10 +137,13 @@ def one_size(rows: int, dim: int, args, out: list[dict], sweep: list[dict]) -> N
 
 
 def same_as_exact(found: list[list[tuple[str, float]]], reference: list[list[tuple[str, float]]]) -> str:
-    """Whether the batch's top-k lists name the exact path's identities in order, and the largest score gap."""
-    names = all([n for n, _ in a] == [n for n, _ in b] for a, b in zip(found, reference))
+    """The share of the batch's top-k lists that name the exact path's identities in order; when all
+    do, the largest score gap."""
+    same = [[n for n, _ in a] == [n for n, _ in b] for a, b in zip(found, reference)]
+    if not all(same):
+        return f"{np.mean(same):.2f}"
     gap = max(abs(x - y) for a, b in zip(found, reference) for (_, x), (_, y) in zip(a, b))
-    return f"{'yes' if names else 'no'} ({gap:.0e})"
+    return f"all (score gap {gap:.0e})"
 
 
 def nprobe_sweep(gallery: Gallery, probes, recall, truth, rows, dim, args) -> list[dict]:
@@ -151,17 +155,17 @@ def nprobe_sweep(gallery: Gallery, probes, recall, truth, rows, dim, args) -> li
         top1 = [m[0].identity for m in gallery.search(recall, k=args.k, method="faiss")]
         recall1 = float(np.mean([a == b for a, b in zip(top1, truth)])) if truth else float("nan")
         found.append({"rows": rows, "dim": dim, "nprobe": nprobe, "probe_ms": single, "batch_ms": batch, "recall": recall1})
-    gallery.index.nprobe = gallery_search.IVF_NPROBE
+    gallery.index.nprobe = max(1, round(gallery.index.nlist * gallery_search.IVF_PROBED_SHARE))
     return found
 
 
 def table(results: list[dict], sweep: list[dict], args) -> str:
     lines = [
         f"k={args.k}, batches of {args.probes} probes, {args.rows_per_identity} rows per identity, noise {args.noise},"
-        f" recall@1 over {args.recall_probes} probes against exact; IVF nprobe {gallery_search.IVF_NPROBE},"
+        f" recall@1 over {args.recall_probes} probes against exact; IVF nprobe lists x {gallery_search.IVF_PROBED_SHARE:g},"
         f" HNSW M={gallery_search.HNSW_LINKS} efSearch={gallery_search.HNSW_SEARCH_CANDIDATES}",
         "",
-        "| gallery | method | check s | build s | batch ms (median) | per probe in batch ms | single probe ms (median) | peak MiB (gallery MiB) | top-k = exact (score gap) | recall@1 |",
+        "| gallery | method | check s | build s | batch ms (median) | per probe in batch ms | single probe ms (median) | peak MiB (gallery MiB) | top-k lists = exact | recall@1 |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in results:
@@ -182,6 +186,10 @@ def table(results: list[dict], sweep: list[dict], args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
+    if args.faiss_threads:
+        import faiss
+
+        faiss.omp_set_num_threads(args.faiss_threads)
     results: list[dict] = []
     sweep: list[dict] = []
     for dim in map(int, args.dims.split(",")):

@@ -133,7 +133,9 @@ def test_auto_is_exact_below_the_threshold_and_faiss_from_it(monkeypatch):
     assert built._index is None  # 200 rows: NumPy, no index built
     monkeypatch.setattr(search_module, "AUTO_FAISS_FROM", 200)
     built.search(probes, method="auto")
-    assert built._index is not None
+    assert type(built._index).__name__ == "IndexFlatIP"  # the gallery's index, chosen when it was made
+    assert Gallery(gallery, keys).index_kind == "ivf" and Gallery(gallery[:199], keys[:199]).index_kind == "flat"
+    assert Gallery(gallery, keys, index="flat").index_kind == "flat"
 
 
 @pytest.mark.parametrize("kind, identities, rows_per_identity", [("ivf", 1500, 8), ("hnsw", 1000, 4)])
@@ -150,7 +152,7 @@ def test_approximate_indexes_find_the_exact_top1(kind, identities, rows_per_iden
 
 def test_an_index_that_finds_fewer_rows_than_asked_gives_what_it_found(monkeypatch):
     """IVF scanning one list of ~40 rows, asked for 600: faiss pads with row -1, which is no row."""
-    monkeypatch.setattr(search_module, "IVF_NPROBE", 1)
+    monkeypatch.setattr(search_module, "IVF_PROBED_SHARE", 1e-6)  # one list
     gallery, keys, probes = clustered(10, identities=200, per_identity=10, dim=16, probes=20)
     found = Gallery(gallery, keys, index="ivf").search(probes, k=30, method="faiss")
     assert all(1 <= len(matches) <= 30 for matches in found) and min(map(len, found)) < 30

@@ -11,10 +11,12 @@ Two ways to the same answer:
   float32 scores (16 MiB) and ``argpartition``'s int64 positions of the same shape (32 MiB), plus the
   rows kept per probe; about 50 MiB for a 1M x 512 gallery as for a 1k one.
 - ``faiss``: a faiss index built once per :class:`Gallery` (on its first faiss search) and reused for
-  every batch of probes. ``flat`` (the default) is an exact inner-product scan: the same identities
-  as ``exact``, scores equal to float tolerance; it holds a copy of the gallery (N x E x 4 bytes).
-  ``ivf`` (inverted lists, ``IVF_NPROBE`` lists scanned per probe) is approximate: recall@1 against
-  exact is measured in benchmarks/README.md ("gallery search").
+  every batch of probes. ``flat`` is an exact inner-product scan: the same identities as ``exact``,
+  scores equal to float tolerance. ``ivf`` (inverted lists, ``IVF_PROBED_SHARE`` of them scanned
+  per probe) and ``hnsw`` (a graph) are approximate: recall@1 against exact is in benchmarks/README.md
+  ("gallery search"). Each holds a copy of the gallery (N x E x 4 bytes). Unless one is named, a
+  gallery of fewer than ``AUTO_FAISS_FROM`` rows gets ``flat`` and a larger one ``ivf``.
+- ``auto``: ``exact`` below ``AUTO_FAISS_FROM`` rows, the gallery's faiss index from there on.
 
 Both fetch a probe's best rows and walk them down: the best rows of k distinct identities are
 enough only when every identity not yet seen must score lower, so the row count grows (x4) until k
@@ -46,8 +48,9 @@ UNIT_TOLERANCE = 1e-3
 #: ``auto`` searches exactly below this many gallery rows and with the gallery's faiss index from it.
 #: benchmarks/README.md ("gallery search", 2 vCPU AMD EPYC): TBD.
 AUTO_FAISS_FROM = 200_000
-#: Inverted lists scanned per probe by the ``ivf`` index (benchmarks/README.md: recall@1 vs exact).
-IVF_NPROBE = 16
+#: The share of its inverted lists an ``ivf`` index scans per probe: 1/16 kept recall@1 against exact
+#: at 0.99 or more from 10k to 1M rows, where a fixed 16 lists fell to 0.92 at 1M (benchmarks/README.md).
+IVF_PROBED_SHARE = 1 / 16
 #: k-means of the ``ivf`` index: rows sampled per list to train on, and iterations.
 IVF_TRAIN_PER_LIST = 64
 IVF_ITERATIONS = 10
@@ -71,16 +74,17 @@ Fetch = Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 class Gallery:
     """A checked gallery: ``embeddings`` [N, E] float32 unit rows and ``keys`` (N identities, row by row).
 
-    The faiss index of kind ``index`` is built on the first faiss search and kept for the next ones
-    (``seed`` picks the rows an ``ivf`` index trains on).
+    The faiss index of kind ``index`` (by default :func:`default_index` of N) is built on the first
+    faiss search and kept for the next ones (``seed`` picks the rows an ``ivf`` index trains on).
     """
 
-    def __init__(self, embeddings: np.ndarray, keys: Sequence[str], *, index: IndexKind = "flat", seed: int = 0) -> None:
+    def __init__(self, embeddings: np.ndarray, keys: Sequence[str], *, index: IndexKind | None = None, seed: int = 0) -> None:
         if np.size(embeddings) == 0:
             raise FacepipeError("the gallery is empty: there is nothing to search")
         self.embeddings = _checked(embeddings, "gallery")
         if len(keys) != len(self.embeddings):
             raise FacepipeError(f"{len(keys)} keys for {len(self.embeddings)} gallery rows: give one key per row")
+        index = default_index(len(self.embeddings)) if index is None else index
         if index not in get_args(IndexKind):
             raise FacepipeError(f"unknown faiss index {index!r}: one of {', '.join(get_args(IndexKind))}")
         #: the identities, sorted: a row's code is its identity's position, so codes sort as names do
@@ -158,7 +162,7 @@ def search(
     *,
     k: int = 5,
     method: SearchMethod = "auto",
-    index: IndexKind = "flat",
+    index: IndexKind | None = None,
 ) -> list[list[Match]]:
     """One search of ``probes`` [P, E] in a gallery (``embeddings`` [N, E], ``keys`` [N]); for many
     batches, build a :class:`Gallery` once and call its ``search``."""
@@ -199,6 +203,12 @@ def _faiss_top_rows(index: Any, probes: np.ndarray, m: int) -> tuple[np.ndarray,
     return scores, rows
 
 
+def default_index(rows: int) -> IndexKind:
+    """The faiss index of a gallery of ``rows`` rows unless one is named: the exact ``flat`` scan
+    below ``AUTO_FAISS_FROM`` rows, where ``auto`` searches exactly, and ``ivf`` from there on."""
+    return "flat" if rows < AUTO_FAISS_FROM else "ivf"
+
+
 def ivf_lists(rows: int) -> int:
     """Inverted lists of an ``ivf`` index over ``rows`` rows: the power of two nearest sqrt(rows),
     at most one per 39 rows (faiss's minimum of training points per centroid)."""
@@ -222,7 +232,7 @@ def build_index(embeddings: np.ndarray, kind: IndexKind, *, seed: int = 0) -> An
         index.cp.niter, index.cp.seed, index.cp.spherical = IVF_ITERATIONS, seed, True
         sample = np.random.default_rng(seed).choice(rows, size=min(rows, lists * IVF_TRAIN_PER_LIST), replace=False)
         index.train(embeddings[np.sort(sample)])
-        index.nprobe = IVF_NPROBE
+        index.nprobe = max(1, round(lists * IVF_PROBED_SHARE))
     for start in range(0, rows, GALLERY_BLOCK * 8):
         index.add(embeddings[start : start + GALLERY_BLOCK * 8])
     return index
@@ -236,11 +246,12 @@ def _checked(values: np.ndarray, what: str) -> np.ndarray:
         raise FacepipeError(f"the {what} must be a [rows, E] matrix, not an array of shape {array.shape}")
     for start in range(0, len(array), GALLERY_BLOCK):
         block = array[start : start + GALLERY_BLOCK]
-        finite = np.isfinite(block).all(axis=1)
-        if not finite.all():
-            raise FacepipeError(f"{what} row {start + int(np.argmin(finite))} holds a NaN or an infinity")
         norms = np.sqrt(np.einsum("ij,ij->i", block, block))
-        off = np.abs(norms - 1) > UNIT_TOLERANCE
+        if not np.isfinite(norms).all():  # a NaN or an infinity, or a sum of squares past float32
+            finite = np.isfinite(block).all(axis=1)
+            if not finite.all():
+                raise FacepipeError(f"{what} row {start + int(np.argmin(finite))} holds a NaN or an infinity")
+        off = ~(np.abs(norms - 1) <= UNIT_TOLERANCE)
         if off.any():
             row = int(np.argmax(off))
             raise FacepipeError(
