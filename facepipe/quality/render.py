@@ -16,7 +16,8 @@ from facepipe.quality.collect import QualityData, Thumb
 
 #: The page's first line after the doctype: what marks a file as a report facepipe may replace.
 GENERATOR = '<meta name="generator" content="facepipe data-quality report">'
-_CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+#: What the page may load: nothing but its own inline styles and data: images.
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 _STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #222; background: #fff; }
 h1 { font-size: 22px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #ccc; }
@@ -44,7 +45,7 @@ def render(data: QualityData) -> str:
     ]
     return (
         f"<!DOCTYPE html>\n<html lang=\"en\"><head>{GENERATOR}<meta charset=\"utf-8\">"
-        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{_CSP}\">"
+        f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">"
         f"<title>facepipe data quality: {data.num_samples} faces of {data.num_identities} identities</title><style>{_STYLE}</style></head><body>\n"
         + "\n".join(sections)
         + "\n</body></html>\n"
@@ -139,7 +140,7 @@ def _faces(data: QualityData) -> str:
     )
     rows = []
     for identity, payloads in data.faces:
-        images = "".join(_img(payload, alt=identity) for payload in payloads)
+        images = "".join(img_tag(payload, alt=identity) for payload in payloads)
         rows.append(f"<div class=\"row\"><div class=\"name\">{escape(identity)}</div>{images}</div>")
     return head + "".join(rows)
 
@@ -176,13 +177,14 @@ def _duplicates(data: QualityData) -> str:
 
 def _figure(thumb: Thumb, *, caption: str) -> str:
     if thumb.jpeg is not None:
-        picture = _img(thumb.jpeg, alt=thumb.path)
+        picture = img_tag(thumb.jpeg, alt=thumb.path)
     else:
         picture = f"<div class=\"none\">{escape(thumb.note)}</div>"
     return f"<figure>{picture}<figcaption>{escape(caption)}</figcaption></figure>"
 
 
-def _img(jpeg_or_png: bytes, *, alt: str) -> str:
+def img_tag(jpeg_or_png: bytes, *, alt: str) -> str:
+    """An <img> of a JPEG or PNG inlined as a data: URI, its alt text escaped."""
     kind = "png" if jpeg_or_png.startswith(b"\x89PNG") else "jpeg"
     encoded = base64.b64encode(jpeg_or_png).decode("ascii")
     return f"<img src=\"data:image/{kind};base64,{encoded}\" alt=\"{escape(alt)}\">"

@@ -1,0 +1,232 @@
+"""Gallery search (facepipe.gallery.search) against answers computed here, in float64, by brute force:
+top-1 is the cosine argmax, an identity scores its best row, ties go by name, k past the identities
+lists them all, the faiss flat index and the blocked NumPy path give the exact answer, the
+approximate indexes find most of it, and bad input is a one-line FacepipeError."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from facepipe.errors import FacepipeError
+from facepipe.gallery import search as search_module
+from facepipe.gallery.search import Gallery, Match, exact_top_rows, search
+
+
+def unit(rows: np.ndarray) -> np.ndarray:
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+def clustered(seed: int, identities: int, per_identity: int, dim: int, probes: int, noise: float = 0.8):
+    """Rows around unit identity centres (keys ``id0007``), and probes around random centres."""
+    rng = np.random.default_rng(seed)
+    centres = unit(rng.standard_normal((identities, dim)))
+    labels = np.arange(identities * per_identity) % identities
+    gallery = unit(centres[labels] + rng.standard_normal((len(labels), dim)) * noise / np.sqrt(dim))
+    chosen = rng.integers(0, identities, probes)
+    queries = unit(centres[chosen] + rng.standard_normal((probes, dim)) * noise / np.sqrt(dim))
+    return gallery, [f"id{label:04d}" for label in labels], queries
+
+
+def brute_force(gallery: np.ndarray, keys: list[str], probes: np.ndarray, k: int) -> list[list[tuple[str, float, int]]]:
+    """Each identity's best row in float64, sorted by score then name: (identity, score, row)."""
+    scores = probes.astype(np.float64) @ gallery.astype(np.float64).T
+    answers = []
+    for row_scores in scores:
+        best: dict[str, tuple[float, int]] = {}
+        for row, (key, score) in enumerate(zip(keys, row_scores.tolist())):
+            if key not in best or score > best[key][0]:
+                best[key] = (score, row)
+        ranked = sorted(best.items(), key=lambda item: (-item[1][0], item[0]))[:k]
+        answers.append([(key, score, row) for key, (score, row) in ranked])
+    return answers
+
+
+def as_tuples(found: list[list[Match]]) -> list[list[tuple[str, float, int]]]:
+    return [[(m.identity, m.score, m.row) for m in matches] for matches in found]
+
+
+def assert_same(found: list[list[Match]], expected: list[list[tuple[str, float, int]]], atol: float = 1e-5) -> None:
+    assert [[(i, r) for i, _, r in matches] for matches in as_tuples(found)] == [[(i, r) for i, _, r in e] for e in expected]
+    np.testing.assert_allclose([s for m in as_tuples(found) for _, s, _ in m], [s for e in expected for _, s, _ in e], atol=atol)
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+def test_top1_is_the_cosine_argmax(method):
+    rng = np.random.default_rng(0)
+    gallery, probes = unit(rng.standard_normal((700, 48))), unit(rng.standard_normal((25, 48)))
+    paths = [f"photos/{i:04d}.jpg" for i in range(700)]  # no identity folders: one key per file
+    found = search(gallery, paths, probes, k=1, method=method)
+    argmax = (probes.astype(np.float64) @ gallery.astype(np.float64).T).argmax(axis=1)
+    assert [m[0].row for m in found] == argmax.tolist()
+    assert [m[0].identity for m in found] == [paths[i] for i in argmax]
+    np.testing.assert_allclose([m[0].score for m in found], (probes.astype(np.float64) * gallery[argmax]).sum(1), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss", "auto"])
+def test_top_k_identities_are_brute_forces(method):
+    gallery, keys, probes = clustered(1, identities=60, per_identity=5, dim=32, probes=40, noise=2.0)
+    assert_same(search(gallery, keys, probes, k=7, method=method), brute_force(gallery, keys, probes, 7))
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+def test_an_identity_scores_its_best_row_once(method):
+    # cosines with the probe e0: a 0.1 (row 0) and 0.9 (row 2), b 0.5 (row 1), c 0.3 (row 3)
+    gallery = np.array([[0.1, np.sqrt(0.99)], [0.5, np.sqrt(0.75)], [0.9, np.sqrt(0.19)], [0.3, np.sqrt(0.91)]], np.float32)
+    found = search(gallery, ["a", "b", "a", "c"], np.array([[1, 0]], np.float32), k=3, method=method)
+    assert [(m.identity, m.row) for m in found[0]] == [("a", 2), ("b", 1), ("c", 3)]
+    np.testing.assert_allclose([m.score for m in found[0]], [0.9, 0.5, 0.3], atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+def test_ties_go_by_identity_name_then_row(method):
+    rng = np.random.default_rng(2)
+    top = unit(rng.standard_normal((1, 16)))
+    others = unit(rng.standard_normal((6, 16)) + top * 0.1)
+    # rows 0..3 score the same: identities c, a, b, and a again (its row 3 never beats row 1)
+    gallery = np.concatenate([top, top, top, top, others])
+    keys = ["c", "a", "b", "a", "d", "e", "f", "g", "h", "i"]
+    found = search(gallery, keys, top, k=4, method=method)
+    assert [(m.identity, m.row) for m in found[0][:3]] == [("a", 1), ("b", 2), ("c", 0)]
+    assert found[0][0].score == found[0][1].score == found[0][2].score
+    assert found[0][3].identity == brute_force(gallery, keys, top, 4)[0][3][0]
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+def test_an_identity_with_many_rows_ahead_does_not_hide_the_next_ones(method):
+    """One identity owns the 60 best rows, more than the first fetch: the search fetches further
+    until k identities are known (the rows per identity average 6, so it first asks for 2*2*6)."""
+    rng = np.random.default_rng(3)
+    probe = unit(rng.standard_normal((1, 24)))
+    crowd = unit(probe + rng.standard_normal((60, 24)) * 0.05)  # cosine ~0.97 with the probe
+    rest = unit(rng.standard_normal((12, 24)))
+    gallery, keys = np.concatenate([crowd, rest]), ["crowd"] * 60 + [f"other{i:02d}" for i in range(12)]
+    found = search(gallery, keys, probe, k=2, method=method)
+    assert_same(found, brute_force(gallery, keys, probe, 2))
+    assert len(found[0]) == 2
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+def test_k_past_the_identities_lists_every_identity(method):
+    gallery, keys, probes = clustered(4, identities=6, per_identity=3, dim=16, probes=5)
+    found = search(gallery, keys, probes, k=50, method=method)
+    assert all(sorted(m.identity for m in matches) == sorted(set(keys)) for matches in found)
+    assert_same(found, brute_force(gallery, keys, probes, 50))
+
+
+def test_faiss_flat_equals_exact_and_the_index_is_built_once():
+    gallery, keys, probes = clustered(5, identities=300, per_identity=4, dim=64, probes=60)
+    built = Gallery(gallery, keys)
+    exact = built.search(probes, k=5, method="exact")
+    index = built.index
+    for batch in (probes[:17], probes[17:]):  # two batches through the one index
+        start = 0 if len(batch) == 17 else 17
+        flat = built.search(batch, k=5, method="faiss")
+        assert_same(flat, as_tuples(exact[start : start + len(batch)]), atol=1e-5)
+    assert built.index is index and index.ntotal == len(gallery)
+
+
+def test_auto_is_exact_below_the_threshold_and_faiss_from_it(monkeypatch):
+    gallery, keys, probes = clustered(6, identities=50, per_identity=4, dim=32, probes=10)
+    built = Gallery(gallery, keys)
+    built.search(probes, method="auto")
+    assert built._index is None  # 200 rows: NumPy, no index built
+    monkeypatch.setattr(search_module, "AUTO_FAISS_FROM", 200)
+    built.search(probes, method="auto")
+    assert type(built._index).__name__ == "IndexFlatIP"  # the gallery's index, chosen when it was made
+    assert Gallery(gallery, keys).index_kind == "ivf" and Gallery(gallery[:199], keys[:199]).index_kind == "flat"
+    assert Gallery(gallery, keys, index="flat").index_kind == "flat"
+
+
+@pytest.mark.parametrize("kind, identities, rows_per_identity", [("ivf", 1500, 8), ("hnsw", 1000, 4)])
+def test_approximate_indexes_find_the_exact_top1(kind, identities, rows_per_identity):
+    gallery, keys, probes = clustered(7, identities=identities, per_identity=rows_per_identity, dim=64, probes=300)
+    built = Gallery(gallery, keys, index=kind)
+    exact = [m[0].identity for m in built.search(probes, k=5, method="exact")]
+    approximate = built.search(probes, k=5, method="faiss")
+    assert type(built.index).__name__ == {"ivf": "IndexIVFFlat", "hnsw": "IndexHNSWFlat"}[kind]
+    recall = np.mean([m[0].identity == e for m, e in zip(approximate, exact)])
+    assert recall >= 0.95, recall
+    assert all(len(m) == 5 and len({x.identity for x in m}) == 5 for m in approximate)
+
+
+def test_an_index_that_finds_fewer_rows_than_asked_gives_what_it_found(monkeypatch):
+    """IVF scanning one list of ~40 rows, asked for 600: faiss pads with row -1, which is no row."""
+    monkeypatch.setattr(search_module, "IVF_PROBED_SHARE", 1e-6)  # one list
+    gallery, keys, probes = clustered(10, identities=200, per_identity=10, dim=16, probes=20)
+    found = Gallery(gallery, keys, index="ivf").search(probes, k=30, method="faiss")
+    assert all(1 <= len(matches) <= 30 for matches in found) and min(map(len, found)) < 30
+    for matches, probe in zip(found, probes):
+        assert all(keys[m.row] == m.identity and m.row >= 0 for m in matches)
+        assert len({m.identity for m in matches}) == len(matches)
+        np.testing.assert_allclose([m.score for m in matches], gallery[[m.row for m in matches]] @ probe, atol=1e-5)
+        assert [m.score for m in matches] == sorted((m.score for m in matches), reverse=True)
+
+
+def test_blocked_exact_equals_one_block(monkeypatch):
+    """Blocks of 7 probes and 13 rows (neither divides 1000 rows nor 30 probes) give the answer of
+    one block each; the rows kept per probe (8 or 40) are both under and over a block."""
+    gallery, keys, probes = clustered(8, identities=250, per_identity=4, dim=32, probes=30)
+    whole = {k: Gallery(gallery, keys).search(probes, k=k, method="exact") for k in (1, 5)}
+    rows_whole = exact_top_rows(gallery, probes, 40)
+    monkeypatch.setattr(search_module, "PROBE_BLOCK", 7)
+    monkeypatch.setattr(search_module, "GALLERY_BLOCK", 13)
+    for k in (1, 5):  # the same identities and rows; scores to float32 rounding (BLAS sums by shape)
+        assert_same(Gallery(gallery, keys).search(probes, k=k, method="exact"), as_tuples(whole[k]), atol=1e-6)
+    scores, rows = exact_top_rows(gallery, probes, 40)
+    assert [sorted(r) for r in rows.tolist()] == [sorted(r) for r in rows_whole[1].tolist()]
+    np.testing.assert_allclose(np.sort(scores, axis=1), np.sort(rows_whole[0], axis=1), atol=1e-6)
+    assert_same(whole[5], brute_force(gallery, keys, probes, 5))
+
+
+@pytest.mark.parametrize("method", ["exact", "faiss"])
+@pytest.mark.parametrize("first", [True, False])
+def test_a_tie_below_the_rows_fetched_is_fetched_too(method, first):
+    """10 rows of m score 0.9, then 30 one-row identities tie at 0.5: the second identity is the
+    first name of the 30 however many of them the first fetches held (t00 first or last in the gallery)."""
+    rng = np.random.default_rng(11)
+    probe = unit(rng.standard_normal((1, 8)))
+    side = unit(rng.standard_normal((1, 8)))
+    side = unit(side - (side @ probe.T) * probe)  # orthogonal to the probe
+    high, tied = unit(0.9 * probe + np.sqrt(0.19) * side), unit(0.5 * probe + np.sqrt(0.75) * side)
+    names = [f"t{i:02d}" for i in range(30)]
+    names = names if first else names[::-1]
+    gallery, keys = np.concatenate([np.repeat(high, 10, 0), np.repeat(tied, 30, 0)]), ["m"] * 10 + names
+    found = search(gallery, keys, probe, k=2, method=method)
+    assert [m.identity for m in found[0]] == ["m", "t00"]
+
+
+def test_unit_rows_within_the_tolerance_are_accepted():
+    gallery = np.array([[1.0005, 0.0], [0.0, 0.9995]], np.float32)
+    assert search(gallery, ["a", "b"], np.array([[1, 0]], np.float32), k=1)[0][0].identity == "a"
+
+
+GOOD = unit(np.random.default_rng(9).standard_normal((4, 8)))
+
+
+@pytest.mark.parametrize(
+    "gallery, keys, probes, k, method, message",
+    [
+        (GOOD, list("abcd"), GOOD[:, :6] / np.linalg.norm(GOOD[:, :6], axis=1, keepdims=True), 1, "exact",
+         "the probes have 6 values per row and the gallery 8"),
+        (np.empty((0, 8), np.float32), [], GOOD, 1, "exact", "the gallery is empty"),
+        (GOOD, list("abcd"), GOOD, 0, "exact", "k must be at least 1, not 0"),
+        (np.where(np.arange(8) == 3, np.nan, GOOD), list("abcd"), GOOD, 1, "exact", "gallery row 0 holds a NaN or an infinity"),
+        (GOOD, list("abcd"), np.where(np.arange(8) == 0, np.inf, GOOD)[::-1].copy(), 1, "exact", "probes row 0 holds a NaN or an infinity"),
+        (GOOD * np.array([[1], [1], [1.01], [1]], np.float32), list("abcd"), GOOD, 1, "exact", "gallery row 2 has L2 norm 1.01, not 1"),
+        (GOOD, list("abcd"), GOOD * 0.5, 1, "exact", "probes row 0 has L2 norm 0.5, not 1"),
+        (GOOD, list("abc"), GOOD, 1, "exact", "3 keys for 4 gallery rows"),
+        (GOOD, list("abcd"), GOOD, 1, "annoy", "unknown search method 'annoy': one of auto, exact, faiss"),
+        (GOOD[0], ["a"], GOOD, 1, "exact", "the gallery must be a [rows, E] matrix"),
+    ],
+    ids=["dimensions", "empty", "k", "nan", "inf", "norm", "probe-norm", "keys", "method", "1-d"],
+)
+def test_bad_input_is_a_one_line_error(gallery, keys, probes, k, method, message):
+    with pytest.raises(FacepipeError) as error:
+        search(gallery, keys, probes, k=k, method=method)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_unknown_index_is_refused():
+    with pytest.raises(FacepipeError, match="unknown faiss index 'lsh': one of flat, ivf, hnsw"):
+        Gallery(GOOD, list("abcd"), index="lsh")  # type: ignore[arg-type]
