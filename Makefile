@@ -15,7 +15,7 @@ export NO_ALBUMENTATIONS_UPDATE := 1
 export DVC_NO_ANALYTICS := 1
 PYTEST_ARGS ?=
 
-.PHONY: install browser sample-data demo test test-baseline-kernels test-fast bench clean-demo mutants lock
+.PHONY: install browser sample-data demo test test-slow test-all test-baseline-kernels bench clean-demo mutants lock
 
 # The whole environment is pinned (constraints.txt: pip freeze of a fresh install), so two installs
 # resolve the same versions and `facepipe sample-data` writes the same bytes (data/raw.dvc's hash).
@@ -65,7 +65,16 @@ browser:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "make: chromium could not be installed (needs root and apt-get): the report's browser tests will skip"
 
+# `make test`: every test not marked slow or multiprocess (the quick suite, README: Tests). The marked
+# ones (Dask clusters, torchrun, Prefect servers, training a model, dvc repro) run in `make test-slow`;
+# CI runs both. `make test-all` runs the whole suite in one pytest run.
 test: install browser
+	python -m pytest -q -m "not slow and not multiprocess" $(PYTEST_ARGS)
+
+test-slow: install browser
+	python -m pytest -q -m "slow or multiprocess" $(PYTEST_ARGS)
+
+test-all: install browser
 	python -m pytest -q $(PYTEST_ARGS)
 
 # The tests whose results depend on which arithmetic kernels the CPU selects (README: Reproducibility
@@ -80,8 +89,6 @@ KERNEL_TESTS := tests/test_sample_determinism.py tests/test_pinned_env.py tests/
 test-baseline-kernels: install
 	$(BASELINE_KERNELS) python -m pytest -q $(KERNEL_TESTS) $(PYTEST_ARGS)
 
-test-fast: install
-	python -m pytest -q -m "not slow and not multiprocess" $(PYTEST_ARGS)
 
 # Mutation testing of the core modules (tests/README.md): not part of `make test`. One runner process
 # at low priority; mutmut works on a copy in ./mutants. MUTANTS narrows the run to a mutant-name glob,
