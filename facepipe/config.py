@@ -39,6 +39,11 @@ DeviceChoice = Literal["auto", "cpu", "cuda"]
 ExportFormat = Literal["onnx", "torchscript"]
 DetectorName = Literal["mtcnn", "retinaface", "none", "facenet_pytorch"]
 RuntimeName = Literal["torch", "onnx"]
+
+#: Pixel normalisation of each model family: network input = (pixel - mean) / std, pixel in [0, 255].
+#: arcface (insightface and its descendants): [-1, 1]; facenet (facenet-pytorch's
+#: ``fixed_image_standardization``): (x - 127.5) / 128, what its published weights were trained on.
+NORMALIZATIONS: dict[str, tuple[float, float]] = {"arcface": (127.5, 127.5), "facenet": (127.5, 128.0)}
 SearchMethod = Literal["auto", "exact", "faiss"]
 
 
@@ -427,7 +432,9 @@ class EmbedParams(Section):
     not here: it is the model's training set's (``faces`` in model.json), so it cannot drift."""
 
     runtime: RuntimeName = Field("torch", description="torch: MODEL/backbone.pt; onnx: an export folder's backbone.onnx through onnxruntime")
-    batch_size: int = Field(64, ge=1, description="faces per forward pass (within one chunk of photos)")
+    batch_size: int = Field(
+        8, ge=1, description="faces per forward pass, within one chunk of photos (8: a CPU core's caches; larger on a GPU)"
+    )
     flip: bool = Field(True, description="add the embedding of the mirrored face before normalizing (as evaluate)")
     all_faces: bool = Field(False, description="embed every face that passes the gates, not only the selected one")
     files_per_part: int = Field(256, ge=1, description="photos per output part (the unit of resume after a kill)")

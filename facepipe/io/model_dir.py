@@ -23,18 +23,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from facepipe.config import CropName
+from facepipe.config import NORMALIZATIONS, CropName
 from facepipe.errors import FacepipeError
 from facepipe.io.atomic import OutputKind, atomic_write, json_key_file
 from facepipe.io.manifest import dumps
 from facepipe.io.shards import sha256_file
-from facepipe.models import Backbone, create_backbone
-from facepipe.models.backbone import NORMALIZATIONS
+
+if TYPE_CHECKING:  # torch and the backbones load only where weights are read or written
+    import torch
+
+    from facepipe.models import Backbone
 
 WEIGHTS_FILE = "backbone.pt"
 SPEC_FILE = "model.json"
@@ -142,6 +144,8 @@ def _read_model_json(model_dir: str | Path) -> tuple[ModelSpec, str | None]:
 
 def save_model_dir(model_dir: str | Path, model: torch.nn.Module, spec: ModelSpec) -> None:
     """Write ``backbone.pt`` (state_dict of ``model``), then ``model.json`` with its sha256, each atomically."""
+    import torch
+
     model_dir = Path(model_dir)
     weights = atomic_write(model_dir / WEIGHTS_FILE, lambda handle: torch.save(model.state_dict(), handle))
     write_model_spec(model_dir, spec, weights_sha256=sha256_file(weights))
@@ -157,6 +161,8 @@ def remove_model_files(model_dir: str | Path) -> None:
 
 def load_backbone(model_dir: str | Path, *, device: torch.device | str = "cpu") -> tuple[Backbone, ModelSpec]:
     """Rebuild the backbone described by ``model.json`` with the weights of ``backbone.pt``, in eval mode."""
+    from facepipe.models import create_backbone
+
     model_dir = Path(model_dir)
     spec, weights_sha256 = _read_model_json(model_dir)
     weights = model_dir / WEIGHTS_FILE

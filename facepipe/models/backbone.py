@@ -11,14 +11,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from facepipe.config import NORMALIZATIONS  # noqa: F401 - the families' pixel normalisation (model.json)
 from facepipe.errors import FacepipeError
 
 _SHOWN_KEYS = 5
 
-#: Pixel normalisation of each model family: network input = (pixel - mean) / std, pixel in [0, 255].
-#: arcface (insightface and its descendants): [-1, 1]; facenet (facenet-pytorch's
-#: ``fixed_image_standardization``): (x - 127.5) / 128, what its published weights were trained on.
-NORMALIZATIONS: dict[str, tuple[float, float]] = {"arcface": (127.5, 127.5), "facenet": (127.5, 128.0)}
 
 
 class WeightsError(FacepipeError):
