@@ -35,12 +35,10 @@ from facepipe.io.records import encode_image  # noqa: E402
 DETECT_SIZE = 640
 
 
-def one_photo(mtcnn: MTCNN, data: bytes, min_face_size: int) -> bool:
-    """Detect, choose, align and encode one photo's face; False when it has none facepipe would keep."""
-    try:
-        image = load_image(data, max_pixels=100_000_000)
-    except Reject:
-        return False
+def detect_faces(mtcnn: MTCNN, image: np.ndarray, min_face_size: int) -> list[Face]:
+    """The faces of ``image`` ([H, W, 3] uint8 RGB) that pass facepipe's gates (score >= 0.95, size >=
+    ``min_face_size`` original pixels), MTCNN run on the photo scaled to ``DETECT_SIZE``; boxes and
+    landmarks in original pixels."""
     scale = min(1.0, DETECT_SIZE / max(image.shape[:2]))
     small = image
     if scale < 1.0:
@@ -49,14 +47,23 @@ def one_photo(mtcnn: MTCNN, data: bytes, min_face_size: int) -> bool:
     try:
         boxes, probs, points = mtcnn.detect(small, landmarks=True)
     except (RuntimeError, ValueError):  # MTCNN raises on images smaller than its smallest face
-        return False
+        return []
     if boxes is None:
-        return False
+        return []
     boxes = np.asarray(boxes, dtype=np.float32) / scale  # numpy 2: object arrays otherwise
     probs = np.asarray(probs, dtype=np.float32)
     points = np.asarray(points, dtype=np.float32) / scale
     faces = [Face(b, float(p), l) for b, p, l in zip(boxes, probs, points) if p >= 0.95]
-    faces = [face for face in faces if face.size >= min_face_size]
+    return [face for face in faces if face.size >= min_face_size]
+
+
+def one_photo(mtcnn: MTCNN, data: bytes, min_face_size: int) -> bool:
+    """Detect, choose, align and encode one photo's face; False when it has none facepipe would keep."""
+    try:
+        image = load_image(data, max_pixels=100_000_000)
+    except Reject:
+        return False
+    faces = detect_faces(mtcnn, image, min_face_size)
     if not faces:
         return False
     face = select_face(faces, "largest", image.shape)
