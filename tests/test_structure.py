@@ -123,7 +123,7 @@ ABOVE_THE_CORE = ("facepipe.stages", "facepipe.cli", "flows", "prefect", "dvc")
 
 def _above_the_core(module: str) -> bool:
     return any(module == name or module.startswith(name + ".") for name in ABOVE_THE_CORE)
-CORE = ("alignment", "data", "detection", "io", "models", "heads", "training", "evaluation", "quality", "shardset")
+CORE = ("alignment", "data", "detection", "io", "models", "heads", "training", "evaluation", "quality", "shardset", "gallery")
 
 
 def _sources() -> list[Path]:
