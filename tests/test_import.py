@@ -613,3 +613,16 @@ def test_a_rec_file_without_its_index_imports_and_an_import_replaces_its_own_set
     assert import_rec.run(PARAMS, folder / "train.rec", out, workers=1, progress=False)["counts"]["accepted"] == 2
     write_pack(folder, [(0, crop(0)), (1, crop(1)), (1, crop(2))], header=False)
     assert import_rec.run(PARAMS, folder / "train.rec", out, workers=1, progress=False)["counts"]["accepted"] == 3
+
+
+def test_the_layout_of_a_pack_without_header_is_every_key_in_file_order_without_ranges(tmp_path):
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (1, crop(1)), (0, crop(2))], header=False)
+    pack = import_rec.find_pack(folder)
+    with open(pack.rec, "rb") as handle:
+        layout = import_rec.read_layout(pack, handle)
+    index = read_index(folder / "train.idx")
+    assert (layout.keys.tolist(), layout.offsets.tolist()) == (index[:, 0].tolist(), index[:, 1].tolist())
+    assert layout.expected.tolist() == [-1, -1, -1] and layout.header is False and layout.stray.tolist() == []
+    assert layout.identity_records == {"read": 0, "missing": 0, "unusable": 0}
+    assert [array.dtype for array in (layout.keys, layout.offsets, layout.expected, layout.stray)] == [np.int64] * 4  # as documented

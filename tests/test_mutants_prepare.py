@@ -83,7 +83,7 @@ def test_task_groups_take_at_most_a_share_of_what_is_left():
     assert [len(g) for g in prepare.task_groups(chunks, workers=1, most=4)] == [4, 4, 4, 4, 2, 1, 1]
     assert [len(g) for g in prepare.task_groups(chunks, workers=2, most=4)] == [4, 4, 3, 2, 1, 1, 1, 1, 1, 1, 1]
     assert [c for g in prepare.task_groups(chunks, workers=2, most=4) for c in g] == chunks
-    assert prepare.task_groups(chunks[:3], workers=1) == [[[0]], [[1]], [[2]]]  # most: 1 by default
+    assert prepare.task_groups(chunks, workers=1) == [[c] for c in chunks]  # most: 1 by default
 
 
 # --- check_paths, check_inputs ---
