@@ -626,3 +626,16 @@ def test_the_layout_of_a_pack_without_header_is_every_key_in_file_order_without_
     assert layout.expected.tolist() == [-1, -1, -1] and layout.header is False and layout.stray.tolist() == []
     assert layout.identity_records == {"read": 0, "missing": 0, "unusable": 0}
     assert [array.dtype for array in (layout.keys, layout.offsets, layout.expected, layout.stray)] == [np.int64] * 4  # as documented
+
+
+def test_the_layout_of_a_header_pack_gives_each_image_its_ranges_label_or_minus_one(tmp_path):
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (0, crop(1)), (1, crop(2))], header=True)  # identity records: keys 4 and 5
+    lines = (folder / "train.idx").read_text().splitlines()
+    (folder / "train.idx").write_text("".join(f"{line}\n" for line in lines if not line.startswith("5\t")))
+    pack = import_rec.find_pack(folder)
+    with open(pack.rec, "rb") as handle:
+        layout = import_rec.read_layout(pack, handle)
+    assert layout.keys.tolist() == [1, 2, 3] and layout.expected.tolist() == [0, 0, -1] and layout.header is True
+    assert layout.identity_records == {"read": 1, "missing": 1, "unusable": 0}
+    assert [array.dtype for array in (layout.keys, layout.offsets, layout.expected, layout.stray)] == [np.int64] * 4

@@ -410,3 +410,24 @@ def test_import_summary_line_adds_the_validation_sets():
     assert import_data.summary_line({**report, "validation_sets": {}}) == line
     sets = {"lfw": 6000, "cfp_fp": 7000}
     assert import_data.summary_line({**report, "validation_sets": sets}) == f"{line}; validation sets: lfw (6000 pairs), cfp_fp (7000 pairs)"
+
+
+def test_since_launch_reads_the_kernels_start_time_whatever_the_process_is_called(monkeypatch):
+    """``/proc/self/stat`` names the process in brackets before the fields, and a name may hold ``)``,
+    spaces and any bytes: the fields start after the last ``)``, read as UTF-8 whatever the locale."""
+    import locale
+
+    import psutil
+
+    comm = Path("/proc/self/comm")  # this thread's name; the main thread's is the process's
+    before = comm.read_bytes().rstrip(b"\n")
+    locale_before = locale.setlocale(locale.LC_CTYPE)
+    try:
+        comm.write_bytes("é) 1 2) 3".encode())
+        locale.setlocale(locale.LC_CTYPE, "C")
+        age = time.time() - psutil.Process().create_time()
+        monkeypatch.setitem(sys.modules, "psutil", None)
+        assert abs(prepare._since_launch() - age) < 1.5
+    finally:
+        comm.write_bytes(before)
+        locale.setlocale(locale.LC_CTYPE, locale_before)
