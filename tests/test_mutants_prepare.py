@@ -157,6 +157,7 @@ def test_a_prepare_reports_what_it_wrote_and_how_long_each_phase_took(tmp_path, 
         "images_per_s": 2.33,
     }
     assert json.loads((out / "report.json").read_text()) == report
+    assert 'alt="a/dup.jpg"' in (out / "report.html").read_text(encoding="utf-8")  # a duplicate's thumbnail: RAW passed on
     messages = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
     assert ("facepipe.prepare", "INFO", f"prepare: 7 files (7 to process) in 2 chunks from {raw}") in messages
     assert ("facepipe.prepare", "WARNING", "1 aligned face(s) were not 112x112 and were resized (first: c/big.jpg)") in messages
@@ -275,6 +276,26 @@ def test_a_prepare_on_its_own_reads_on_auto_in_this_process(tmp_path, monkeypatc
     report = prepare.run(params, raw, tmp_path / "out")  # one chunk: one worker, in this process
     assert [call[0][3] for call in devices.calls] == ["auto"] and warmed.calls == [((params, "auto"), {})]
     assert (report["scheduler"], report["workers"], report["generation"]) == ("in-process", 1, 0)
+
+
+def test_a_prepare_on_a_given_cluster_names_it(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    calls: list = []
+    real = prepare.chunk_runner
+
+    @contextmanager
+    def here(*args, **options):  # the cluster's runner, recorded and run in this process
+        calls.append(options)
+        with real(*args, here=True) as runner:
+            yield runner
+
+    monkeypatch.setattr(prepare, "chunk_runner", here)
+    raw = tmp_path / "raw"
+    write(raw, RAW)
+    report = prepare.run(ONE_CHUNK, raw, tmp_path / "out", scheduler_address="tcp://127.0.0.1:8786", device="cpu", progress=False)
+    assert report["scheduler"] == "tcp://127.0.0.1:8786" and report["counts"]["accepted"] == 4
+    assert [{k: v for k, v in call.items() if k != "warm"} for call in calls] == [{"workers": None, "scheduler_address": "tcp://127.0.0.1:8786", "device": "cpu"}]
 
 
 # --- _runner: where the chunks run (recorded, nothing started) ---
