@@ -119,6 +119,9 @@ def test_check_inputs_follow_links_out_of_raw_only_when_asked(tmp_path):
     assert by_default == {"a/0.jpg": None, "a/link.jpg": "outside_raw_root"}
     followed = prepare.check_inputs(raw, tmp_path / "out", follow_symlinks=True)
     assert {item.path: item.reason for item in followed} == {"a/0.jpg": None, "a/link.jpg": None}
+    following = ONE_CHUNK.model_copy(update={"follow_symlinks": True})  # prepare follows as its params say
+    assert prepare.run(following, raw, tmp_path / "out", progress=False)["counts"] == {"scanned": 2, "accepted": 2, "rejected": 0}
+    assert prepare.run(ONE_CHUNK, raw, tmp_path / "out", progress=False)["rejected_by_reason"] == {"outside_raw_root": 1}
 
 
 # --- run and _Job: a real prepare, timed on a stubbed clock ---
