@@ -170,7 +170,7 @@ def test_a_prepare_reports_what_it_wrote_and_how_long_each_phase_took(tmp_path, 
     assert len(sources) == 7 and sum(s["size"] is not None for s in sources) == 7  # every file's stat recorded
 
 
-def test_an_update_reports_the_files_reused_processed_and_removed(tmp_path):
+def test_an_update_reports_the_files_reused_processed_and_removed(tmp_path, monkeypatch):
     raw, out = tmp_path / "raw", tmp_path / "out"
     params = ONE_CHUNK
     write(raw, RAW)
@@ -181,7 +181,10 @@ def test_an_update_reports_the_files_reused_processed_and_removed(tmp_path):
     write(raw, {"c/0.jpg": face(5), "c/1.jpg": face(6)})
     submitted: list = []
     submit = in_process(raw, params)
+    stats = Recorder(prepare.file_stats)
+    monkeypatch.setattr(prepare, "file_stats", stats)
     report = prepare.run(params, raw, out, update=True, submit=lambda group: submitted.append(group) or submit(group), workers=1, progress=False)
+    assert stats.calls == []  # the plan's stat of every file is the one recorded: no second stat of RAW
     assert submitted == [[["c/0.jpg", "c/1.jpg"]]]  # the new files only, one chunk a submission
     assert report["generation"] == 1 and report["files"] == {"reused": 5, "processed": 2, "removed": 1}
     assert report["counts"] == {"scanned": 7, "accepted": 5, "rejected": 2} and "unchanged" not in report
