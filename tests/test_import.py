@@ -639,3 +639,17 @@ def test_the_layout_of_a_header_pack_gives_each_image_its_ranges_label_or_minus_
     assert layout.keys.tolist() == [1, 2, 3] and layout.expected.tolist() == [0, 0, -1] and layout.header is True
     assert layout.identity_records == {"read": 1, "missing": 1, "unusable": 0}
     assert [array.dtype for array in (layout.keys, layout.offsets, layout.expected, layout.stray)] == [np.int64] * 4
+
+
+def test_a_ranges_label_is_read_from_its_own_images_only(tmp_path):
+    def expected(items: list, owners: list[int]) -> list[int]:
+        folder = tmp_path / f"pack{len(items)}"
+        write_pack(folder, items, header=True, identities=owners)
+        pack = import_rec.find_pack(folder)
+        with open(pack.rec, "rb") as handle:
+            return import_rec.read_layout(pack, handle).expected.tolist()
+
+    # range 0 is keys 1-2: its first image's label is not whole, its last one's gives the label
+    assert expected([(2.5, crop(0)), (0, crop(1)), (1, crop(2))], [0, 0, 1]) == [0, 0, 1]
+    # range 0 is key 1 alone, with no whole label: none, not the next range's
+    assert expected([(2.5, crop(0)), (1, crop(1))], [0, 1]) == [-1, 1]
