@@ -653,3 +653,17 @@ def test_a_ranges_label_is_read_from_its_own_images_only(tmp_path):
     assert expected([(2.5, crop(0)), (0, crop(1)), (1, crop(2))], [0, 0, 1]) == [0, 0, 1]
     # range 0 is key 1 alone, with no whole label: none, not the next range's
     assert expected([(2.5, crop(0)), (1, crop(1))], [0, 1]) == [-1, 1]
+
+
+def test_the_warning_draws_only_the_missing_keys_it_shows(caplog):
+    import logging
+
+    def missing():  # a forged header may promise millions: only the first three are drawn
+        yield from (5, 6, 7)
+        raise AssertionError("a fourth missing key was drawn")
+
+    with caplog.at_level(logging.WARNING, logger="facepipe.import"):
+        import_rec._warn_identity_records([], {"read": 1, "missing": 10**6, "unusable": 0}, missing())
+    assert [r.getMessage() for r in caplog.records] == [
+        "1000000 of 1000001 identity records of the header are missing (1000000) or unusable (0), e.g. key 5: missing from the"
+        " index; key 6: missing from the index; key 7: missing from the index: their images are checked against their own labels only"]

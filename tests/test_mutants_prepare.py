@@ -258,6 +258,9 @@ def test_prepare_shows_its_progress_and_keeps_the_workers_window(tmp_path, monke
     prepare.run(params, raw, out, submit=recorded, workers=1, progress=False, chunks_per_task=2)
     assert events[0] == ("bar", 6, {"desc": "prepare", "enabled": False})
     assert [len(event[1]) for event in events if event[0] == "submit"] == [2, 2, 1, 1]  # 6 chunks: left // 2, at most 2
+    events.clear()
+    prepare.run(params, raw, out, submit=recorded, workers=2, progress=False)
+    assert [event[0] for event in events[1:7]] == ["submit"] * 5 + ["done"]  # two workers: 2 x 2 + 1 in flight
 
 
 def test_prepare_refuses_a_set_of_nothing_only_when_asked(tmp_path):
