@@ -500,3 +500,170 @@ def test_the_import_report_counts_bytes_workers_and_rate():
     report = import_rec._report(built, workers=2, elapsed=0.0)
     assert (report["scheduler"], report["timings_s"], report["images_per_s"]) == ("local", {"total": 0.0}, 10e9)
     assert import_rec._report(built, workers=3, elapsed=3.0)["images_per_s"] == 3.33
+
+
+@pytest.fixture()
+def runners(monkeypatch):
+    """import_rec's chunk runner recorded ((args, options) of each) and always run in this process, so
+    that a run that would start a cluster is seen without starting one; ``events`` logs each submission
+    and each progress step in order."""
+    from contextlib import contextmanager
+
+    calls: list = []
+    events: list = []
+    real = import_rec.chunk_runner
+
+    @contextmanager
+    def recorded(*args, **options):
+        calls.append((args, options))
+        with real(*args, **{**options, "here": True}) as (submit, n_workers):
+            yield (lambda chunk: events.append("submit") or submit(chunk)), n_workers
+
+    class Recording(import_rec.Progress):
+        def __init__(self, total, **kwargs):
+            super().__init__(total, **kwargs)
+            events.append(("bar", total, kwargs))
+
+        def update(self, n=1):
+            events.append(("done", n))
+            super().update(n)
+
+    monkeypatch.setattr(import_rec, "chunk_runner", recorded)
+    monkeypatch.setattr(import_rec, "Progress", Recording)
+    return calls, events
+
+
+def test_a_small_pack_is_read_in_this_process_timed_and_its_resized_crops_warned(tmp_path, monkeypatch, caplog, runners, ascii_locale):
+    import logging
+    from types import SimpleNamespace
+
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (0, crop(1)), (1, crop(2, 160))], header=False)
+    for suffix in (".rec", ".idx"):  # a name that only UTF-8 writes into the manifest
+        (folder / f"train{suffix}").rename(folder / f"José{suffix}")
+    ticks = iter([10.0, 14.0006])
+    monkeypatch.setattr(import_rec, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    params = PrepareParams(detector="retinaface", detector_weights="w.onnx", samples_per_shard=2)
+    out = tmp_path / "set"
+    with caplog.at_level(logging.WARNING, logger="facepipe"):
+        report = import_rec.run(params, folder / "José.rec", out)  # no worker count: one, in this process
+    calls, events = runners
+    aligned = params.model_copy(update={"detector": "none", "detector_weights": None})
+    assert calls == [((import_rec.import_chunk, import_rec.find_pack(folder / "José.rec"), aligned), {"here": True, "workers": 1, "broadcast": True})]
+    assert events == [("bar", 3, {"desc": "import", "enabled": True}), "submit", ("done", 3)]
+    payload = sum(len(p) for _, p in records(out).values())
+    assert report == {
+        "counts": {"scanned": 3, "accepted": 3, "rejected": 0}, "rejected_by_reason": {}, "num_identities": 2, "num_shards": 2,
+        "payload_bytes": payload, "shard_bytes": sum(p.stat().st_size for p in (out / "shards").iterdir()), "resized": 1,
+        "workers": 1, "scheduler": "in-process", "timings_s": {"total": 4.001}, "images_per_s": 0.75,
+        "identity_records": {"read": 0, "missing": 0, "unusable": 0}, "validation_sets": {},
+    }
+    assert json.loads((out / "manifest.json").read_text(encoding="utf-8"))["source"]["file"] == "José.rec"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("facepipe")] == [
+        "1 aligned face(s) were not 112x112 and were resized (first: 1/José.rec#2)"]
+
+
+def test_packs_from_in_process_below_start_a_worker_per_core(tmp_path, monkeypatch, runners):
+    write_pack(tmp_path / "pack", [(0, crop(0)), (0, crop(1)), (1, crop(2))], header=False)
+    monkeypatch.setattr(import_rec, "default_workers", lambda: 5)
+    calls, _ = runners
+    monkeypatch.setattr(import_rec, "IN_PROCESS_BELOW", 3)
+    report = import_rec.run(PARAMS, tmp_path / "pack", tmp_path / "a", progress=False)
+    assert (report["workers"], report["scheduler"], calls[-1][1]) == (5, "local", {"here": False, "workers": 5, "broadcast": True})
+    monkeypatch.setattr(import_rec, "IN_PROCESS_BELOW", 4)
+    report = import_rec.run(PARAMS, tmp_path / "pack", tmp_path / "b", progress=False)
+    assert (report["workers"], report["scheduler"], calls[-1][1]) == (1, "in-process", {"here": True, "workers": 1, "broadcast": True})
+    report = import_rec.run(PARAMS, tmp_path / "pack", tmp_path / "c", workers=2, progress=False)
+    assert (report["workers"], report["scheduler"], calls[-1][1]) == (2, "local", {"here": False, "workers": 2, "broadcast": True})
+
+
+def test_an_import_keeps_two_chunks_a_worker_plus_one_in_flight(tmp_path, monkeypatch, runners):
+    write_pack(tmp_path / "pack", [(i % 2, crop(i)) for i in range(7)], header=False)
+    monkeypatch.setattr(import_rec, "CHUNK_RECORDS", 1)
+    _, events = runners
+    import_rec.run(PARAMS, tmp_path / "pack", tmp_path / "set", workers=2, progress=False)
+    steps = ["done" if isinstance(event, tuple) and event[0] == "done" else event for event in events[1:]]
+    assert events[0] == ("bar", 7, {"desc": "import", "enabled": False})
+    assert steps == ["submit"] * 5 + ["done", "submit", "done", "submit", "done"] + ["done"] * 4  # 2 x 2 + 1 in flight
+
+
+def test_an_output_among_the_packs_files_is_refused_naming_the_file(tmp_path):
+    from facepipe.errors import FacepipeError
+
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (1, crop(1))], header=False)
+    (folder / "lfw.bin").write_bytes(b"")  # refused only after the output is checked
+    rec, idx, lfw = folder / "train.rec", folder / "train.idx", folder / "lfw.bin"
+    for source, out, message in (
+        (rec, folder, f"the record file {rec} lies inside the output {folder}; writing it would remove it"),
+        (rec, idx / "set", f"the output {idx / 'set'} lies inside the index file {idx}"),
+        (rec, lfw / "set", f"the output {lfw / 'set'} lies inside the validation set lfw.bin {lfw}"),
+        (folder, folder / "set", f"the output {folder / 'set'} lies inside the pack folder {folder}"),
+    ):
+        with pytest.raises(FacepipeError) as error:
+            import_rec.run(PARAMS, source, out, workers=1, progress=False)
+        assert str(error.value) == message
+
+
+def test_a_rec_file_without_its_index_imports_and_an_import_replaces_its_own_set(tmp_path):
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (1, crop(1))], header=False)
+    (folder / "train.idx").unlink()
+    out = tmp_path / "set"
+    assert import_rec.run(PARAMS, folder / "train.rec", out, workers=1, progress=False)["counts"]["accepted"] == 2
+    write_pack(folder, [(0, crop(0)), (1, crop(1)), (1, crop(2))], header=False)
+    assert import_rec.run(PARAMS, folder / "train.rec", out, workers=1, progress=False)["counts"]["accepted"] == 3
+
+
+def test_the_layout_of_a_pack_without_header_is_every_key_in_file_order_without_ranges(tmp_path):
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (1, crop(1)), (0, crop(2))], header=False)
+    pack = import_rec.find_pack(folder)
+    with open(pack.rec, "rb") as handle:
+        layout = import_rec.read_layout(pack, handle)
+    index = read_index(folder / "train.idx")
+    assert (layout.keys.tolist(), layout.offsets.tolist()) == (index[:, 0].tolist(), index[:, 1].tolist())
+    assert layout.expected.tolist() == [-1, -1, -1] and layout.header is False and layout.stray.tolist() == []
+    assert layout.identity_records == {"read": 0, "missing": 0, "unusable": 0}
+    assert [array.dtype for array in (layout.keys, layout.offsets, layout.expected, layout.stray)] == [np.int64] * 4  # as documented
+
+
+def test_the_layout_of_a_header_pack_gives_each_image_its_ranges_label_or_minus_one(tmp_path):
+    folder = tmp_path / "pack"
+    write_pack(folder, [(0, crop(0)), (0, crop(1)), (1, crop(2))], header=True)  # identity records: keys 4 and 5
+    lines = (folder / "train.idx").read_text().splitlines()
+    (folder / "train.idx").write_text("".join(f"{line}\n" for line in lines if not line.startswith("5\t")))
+    pack = import_rec.find_pack(folder)
+    with open(pack.rec, "rb") as handle:
+        layout = import_rec.read_layout(pack, handle)
+    assert layout.keys.tolist() == [1, 2, 3] and layout.expected.tolist() == [0, 0, -1] and layout.header is True
+    assert layout.identity_records == {"read": 1, "missing": 1, "unusable": 0}
+    assert [array.dtype for array in (layout.keys, layout.offsets, layout.expected, layout.stray)] == [np.int64] * 4
+
+
+def test_a_ranges_label_is_read_from_its_own_images_only(tmp_path):
+    def expected(items: list, owners: list[int]) -> list[int]:
+        folder = tmp_path / f"pack{len(items)}"
+        write_pack(folder, items, header=True, identities=owners)
+        pack = import_rec.find_pack(folder)
+        with open(pack.rec, "rb") as handle:
+            return import_rec.read_layout(pack, handle).expected.tolist()
+
+    # range 0 is keys 1-2: its first image's label is not whole, its last one's gives the label
+    assert expected([(2.5, crop(0)), (0, crop(1)), (1, crop(2))], [0, 0, 1]) == [0, 0, 1]
+    # range 0 is key 1 alone, with no whole label: none, not the next range's
+    assert expected([(2.5, crop(0)), (1, crop(1))], [0, 1]) == [-1, 1]
+
+
+def test_the_warning_draws_only_the_missing_keys_it_shows(caplog):
+    import logging
+
+    def missing():  # a forged header may promise millions: only the first three are drawn
+        yield from (5, 6, 7)
+        raise AssertionError("a fourth missing key was drawn")
+
+    with caplog.at_level(logging.WARNING, logger="facepipe.import"):
+        import_rec._warn_identity_records([], {"read": 1, "missing": 10**6, "unusable": 0}, missing())
+    assert [r.getMessage() for r in caplog.records] == [
+        "1000000 of 1000001 identity records of the header are missing (1000000) or unusable (0), e.g. key 5: missing from the"
+        " index; key 6: missing from the index; key 7: missing from the index: their images are checked against their own labels only"]
