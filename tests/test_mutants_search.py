@@ -103,3 +103,144 @@ def test_a_photo_over_max_bytes_gives_no_thumbnail(tmp_path, monkeypatch, in_fol
     if not in_folder:
         with pytest.raises(ValueError, match="^too large for a thumbnail$"):
             thumbs._read(None, str(tmp_path / "raw" / "b.jpg"))
+
+
+# ----------------------------------------------------------------------------- the search stage
+
+SHA = "a" * 64
+PARAMS = EmbedParams(search_method="exact", top_k=2)
+
+
+def _unit(*values: float) -> list[float]:
+    vector = np.asarray(values, np.float64)
+    return (vector / np.linalg.norm(vector)).tolist()
+
+
+def _face(x: float) -> dict:
+    return {"box": [x, 1.0, x + 10, 11.0], "landmarks": [[0.0, 0.0]] * 5, "score": 0.99}
+
+
+def _folder(folder: Path, photos: list[tuple[str, list[list[float]]]], *, sha: str = SHA, raw: Path | None = None) -> Path:
+    """A committed embedding folder: ``photos`` (scan path, its faces' embeddings), one part."""
+    (folder / store.PARTS).mkdir(parents=True)
+    files = [{"path": path, "sha256": f"s{i}", "size": 1, "mtime_ns": 1, "faces": [_face(10 * j) for j in range(len(faces))]}
+             for i, (path, faces) in enumerate(photos)]  # fmt: skip
+    matrix = np.asarray([e for _, faces in photos for e in faces], np.float32).reshape(-1, 3)
+    store.write_part(folder, "part-00000", "s", files, matrix)
+    header, _ = store.read_part_lines(folder, "part-00000")
+    manifest = {
+        "format": store.FORMAT,
+        "version": store.VERSION,
+        "model": {"runtime": "torch", "file": "backbone.pt", "sha256": sha, "embedding_size": 3},
+        "embed": {"flip": False, "all_faces": False, "batch_size": 3},
+        "settings": "s",
+        "parts": [{"name": "part-00000", "photos": len(files), "faces": len(matrix), "sha256": header["embeddings_sha256"]}],
+        "index_sha256": store.write_jsonl(folder / store.INDEX, store.index_lines(files)),
+    }
+    store.commit(folder, manifest)
+    if raw is not None:
+        (folder / store.REPORT).write_text(json.dumps({"raw": str(raw)}), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def gallery(tmp_path) -> Path:
+    return _folder(
+        tmp_path / "gallery",
+        [("alice/1.jpg", [_unit(1, 0, 0)]), ("alice/2.jpg", [_unit(1, 0.2, 0)]), ("bob/1.jpg", [_unit(0, 1, 0)]), ("carol.jpg", [_unit(0, 0, 1)])],
+    )
+
+
+@pytest.fixture
+def probes(tmp_path) -> Path:
+    return _folder(
+        tmp_path / "probes",
+        [
+            ("alice/p.jpg", [_unit(1, 0.1, 0)]),  # right
+            ("bob/p.jpg", [_unit(1, 0, 0.5), _unit(0, 1, 0.1)]),  # face 0 wrong (alice), face 1 right
+            ("dave/p.jpg", [_unit(0, 0.1, 1)]),  # not in the gallery: not counted
+            ("top.jpg", [_unit(0, 0.9, 1)]),  # no identity: not counted
+        ],
+    )
+
+
+def _match(identity, vector_a, vector_b, path, face=0, x=0.0):
+    return {"identity": identity, "score": round(float(np.float32(np.dot(vector_a, vector_b))), 6), "path": path, "face": face, "box": [x, 1.0, x + 10, 11.0]}
+
+
+def test_search_results_jsonl_and_summary(tmp_path, gallery, probes):
+    summary = search.run(PARAMS, gallery, probes, jsonl=tmp_path / "out.jsonl")
+    first = summary["results"][0]
+    assert first == {"probe": "alice/p.jpg", "face": 0, "identity": "alice", "box": [0.0, 1.0, 10.0, 11.0], "matches": first["matches"]}
+    assert [(m["identity"], m["path"], m["face"], m["box"]) for m in first["matches"]] == [
+        ("alice", "alice/2.jpg", 0, [0.0, 1.0, 10.0, 11.0]), ("bob", "bob/1.jpg", 0, [0.0, 1.0, 10.0, 11.0])]  # fmt: skip
+    expected = np.dot(_unit(1, 0.1, 0), _unit(1, 0.2, 0))
+    assert abs(first["matches"][0]["score"] - expected) < 1e-6 and first["matches"][0]["score"] == round(first["matches"][0]["score"], 6)
+    assert [(r["probe"], r["face"], r["identity"], [m["identity"] for m in r["matches"]]) for r in summary["results"]] == [
+        ("alice/p.jpg", 0, "alice", ["alice", "bob"]),
+        ("bob/p.jpg", 0, "bob", ["alice", "carol.jpg"]),
+        ("bob/p.jpg", 1, "bob", ["bob", "alice"]),
+        ("dave/p.jpg", 0, "dave", ["carol.jpg", "bob"]),
+        ("top.jpg", 0, None, ["carol.jpg", "bob"]),
+    ]
+    assert summary["results"][2]["box"] == [10.0, 1.0, 20.0, 11.0]
+    lines = (tmp_path / "out.jsonl").read_text(encoding="utf-8").splitlines()
+    assert lines == [json.dumps(r, sort_keys=True) for r in summary["results"]]
+    assert {key: value for key, value in summary.items() if key != "results"} == {
+        "gallery": {"rows": 4, "identities": 3},
+        "probes": 5,
+        "top_k": 2,
+        "method": "exact",
+        "threshold": None,
+        "far": None,
+        "top1_correct": 2,
+        "top1_checked": 3,
+    }
+    assert search.summary_line(summary) == (
+        "search: 5 probe face(s) in 4 face(s) of 3 identities (exact); top-1 correct for 2 of 3 probes of known identity"
+    )
+    assert search.summary_line({**summary, "top1_checked": 0}) == "search: 5 probe face(s) in 4 face(s) of 3 identities (exact)"
+    assert search.table(summary).splitlines()[:2] == [
+        f"alice/p.jpg: alice {first['matches'][0]['score']:.3f}, bob {first['matches'][1]['score']:.3f}",
+        f"bob/p.jpg: alice {summary['results'][1]['matches'][0]['score']:.3f}, carol.jpg {summary['results'][1]['matches'][1]['score']:.3f}",
+    ]
+    assert search.table(summary).splitlines()[2].startswith("bob/p.jpg#1: bob ")
+    assert len(search.table(summary).splitlines()) == 5
+    assert search.table(summary, limit=5) == search.table(summary)
+    assert search.table(summary, limit=2).splitlines()[2:] == ["... 3 more (--jsonl FILE writes them all)"]
+    assert len(search.table(summary, limit=2).splitlines()) == 3
+    assert search.table(summary, limit=4).splitlines()[4:] == ["... 1 more (--jsonl FILE writes them all)"]
+
+
+def test_search_with_thresholds(tmp_path, gallery, probes):
+    (tmp_path / "thresholds.json").write_text(json.dumps({"thresholds": {"0.001": 0.5, "0.01": 0.4}}), encoding="utf-8")
+    summary = search.run(PARAMS, gallery, probes, thresholds=tmp_path / "thresholds.json", far=0.01)
+    assert (summary["threshold"], summary["far"]) == (0.4, 0.01) and "why_no_threshold" not in summary
+    (tmp_path / "none.json").write_text(json.dumps({"thresholds": {"0.001": None}, "measured_on": {"num_different": 3}}), encoding="utf-8")
+    summary = search.run(PARAMS, gallery, probes, thresholds=tmp_path / "none.json")
+    assert (summary["threshold"], summary["far"]) == (None, None)
+    assert summary["why_no_threshold"].endswith("3 different pairs are too few to measure it")
+
+
+def test_search_refusals(tmp_path, gallery, probes):
+    empty = _folder(tmp_path / "empty", [("a/1.jpg", [])])
+    with pytest.raises(FacepipeError, match=f"^the gallery {empty} holds no face: there is nothing to search$"):
+        search.run(PARAMS, empty, probes)
+    with pytest.raises(FacepipeError, match=f"^the output {gallery / 'x.jsonl'} lies inside the gallery {gallery}$"):
+        search.run(PARAMS, gallery, probes, jsonl=gallery / "x.jsonl")
+    with pytest.raises(FacepipeError, match=f"^the output {probes / 'x.html'} lies inside the probes {probes}$"):
+        search.run(PARAMS, gallery, probes, html=probes / "x.html")
+    other = _folder(tmp_path / "other", [("a/1.jpg", [_unit(1, 0, 0)])], sha="b" * 64)
+    with pytest.raises(FacepipeError) as error:
+        search.run(PARAMS, gallery, other)
+    assert str(error.value) == (
+        f"{other} was embedded by another model file (sha256 bbbbbbbbbbbb) than the gallery (aaaaaaaaaaaa): their embeddings cannot be compared"
+    )
+    with pytest.raises(FacepipeError) as error:
+        search.run(PARAMS, gallery, tmp_path / "gone")
+    assert str(error.value) == f"probes not found: {tmp_path / 'gone'} (an embedding folder, a photo or a folder of photos)"
+    (tmp_path / "photos").mkdir()
+    with pytest.raises(FacepipeError) as error:
+        search.run(PARAMS, gallery, tmp_path / "photos")
+    assert str(error.value) == "photos as probes need --model: the gallery's model (a model folder, or an export folder with --runtime onnx)"
+    assert not (tmp_path / "x.jsonl").exists()
