@@ -69,6 +69,9 @@ def test_thumbnail_of_a_face_in_a_scanned_photo(tmp_path):
     # no box: the whole photo, longest side 96 at most (80 x 60 is not enlarged), or `size`
     assert thumbs.face_thumbnail(tmp_path / "raw", "alice/a b.jpg", None) == _jpeg(pixels, 96)
     assert Image.open(io.BytesIO(thumbs.face_thumbnail(tmp_path / "raw", "alice/a b.jpg", None, size=40))).size == (40, 30)
+    large = _photo(tmp_path / "raw" / "large.jpg", width=200, height=150)
+    assert thumbs.face_thumbnail(tmp_path / "raw", "large.jpg", None) == _jpeg(large, 96)
+    assert Image.open(io.BytesIO(thumbs.face_thumbnail(tmp_path / "raw", "large.jpg", [0, 0, 160, 120], context=0))).size == (96, 72)
     # an absolute path without a photo folder
     assert thumbs.face_thumbnail(None, str(tmp_path / "raw" / "alice" / "a b.jpg"), [20, 10, 40, 30]) == _jpeg(pixels[5:35, 15:45], 96)
 
