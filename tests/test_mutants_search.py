@@ -15,6 +15,7 @@ from PIL import Image
 from facepipe.config import EmbedParams
 from facepipe.errors import FacepipeError
 from facepipe.gallery import store, thumbs
+from facepipe.quality.render import img_tag
 from facepipe.stages import search
 
 # ----------------------------------------------------------------------------- thumbnails
@@ -247,3 +248,40 @@ def test_search_refusals(tmp_path, gallery, probes):
         search.run(PARAMS, gallery, tmp_path / "photos")
     assert str(error.value) == "photos as probes need --model: the gallery's model (a model folder, or an export folder with --runtime onnx)"
     assert not (tmp_path / "x.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- gallery/search.py survivors
+
+
+def test_gallery_empty_message_and_default_seed():
+    from facepipe.gallery.search import Gallery
+
+    with pytest.raises(FacepipeError, match="^the gallery is empty: there is nothing to search$"):
+        Gallery(np.zeros((0, 3), np.float32), [])
+    assert Gallery(np.eye(3, dtype=np.float32), ["a", "b", "c"]).seed == 0  # ivf's training rows: reproducible by default
+
+
+def test_search_page_with_thumbnails(tmp_path):
+    raw = tmp_path / "raw"
+    for name in ("alice/1.jpg", "bob/1.jpg"):
+        _photo(raw / name)
+    gallery = _folder(tmp_path / "gallery", [("alice/1.jpg", [_unit(1, 0, 0)]), ("bob/1.jpg", [_unit(0, 1, 0)])], raw=raw)
+    probes = _folder(tmp_path / "probes", [("alice/1.jpg", [_unit(1, 0.1, 0)]), ("x.jpg", [_unit(0, 1, 0.1)])], raw=raw)
+    page = tmp_path / "page.html"
+    search.run(PARAMS, gallery, probes, html=page)
+    text = page.read_text(encoding="utf-8")
+    assert "<title>search: 2 probe face(s) in a gallery of 2 face(s)</title>" in text
+    assert text.count("<img") == 5 and text.count("no thumbnail") == 1  # x.jpg is not in the probes' photos
+    assert ">alice/1.jpg<br>identity: alice<" in text and ">x.jpg<" in text
+    thumbnail = thumbs.face_thumbnail(raw, "alice/1.jpg", _face(0)["box"])
+    assert text.count(img_tag(thumbnail, alt="alice")) == 2 and text.count(img_tag(thumbnail, alt="alice/1.jpg")) == 1  # both probes list alice
+    # the gallery's photos named, the probes' folder gone: placeholders for the probes
+    (probes / store.REPORT).write_text(json.dumps({"raw": str(tmp_path / "gone")}), encoding="utf-8")
+    search.run(PARAMS, gallery, probes, html=page, gallery_raw=raw)
+    assert page.read_text(encoding="utf-8").count("<img") == 4
+    (gallery / store.REPORT).unlink()
+    search.run(PARAMS, gallery, probes, html=page)
+    assert page.read_text(encoding="utf-8").count("<img") == 0
+    assert search._photos_of(probes) is None and search._photos_of(tmp_path / "nothing") is None
+    (gallery / store.REPORT).write_text("[]", encoding="utf-8")
+    assert search._photos_of(gallery) is None
