@@ -285,3 +285,24 @@ def test_search_page_with_thumbnails(tmp_path):
     assert search._photos_of(probes) is None and search._photos_of(tmp_path / "nothing") is None
     (gallery / store.REPORT).write_text("[]", encoding="utf-8")
     assert search._photos_of(gallery) is None
+
+
+def test_reading_an_absolute_path_stops_one_byte_past_max_bytes(tmp_path, monkeypatch):
+    _photo(tmp_path / "a.jpg")
+    sizes = []
+
+    class Spy(io.BytesIO):
+        def read(self, size=-1):
+            sizes.append(size)
+            return super().read(size)
+
+    monkeypatch.setattr(thumbs, "open", lambda path, mode: Spy(Path(path).read_bytes()), raising=False)
+    assert thumbs._read(None, str(tmp_path / "a.jpg")) == (tmp_path / "a.jpg").read_bytes()
+    assert sizes == [thumbs.MAX_BYTES + 1]  # a huge file is never read whole
+
+
+def test_page_rows_one_probe_a_line():
+    from facepipe.gallery.page import MatchView, ProbeView, render_page
+
+    page = render_page([ProbeView("a.jpg", None, None, (MatchView("x", 0.5),)), ProbeView("b.jpg", None, None, (MatchView("y", 0.25),))], title="t")
+    assert "</figure></div>\n<div class=\"probe\"><figure>" in page and "XX" not in page
