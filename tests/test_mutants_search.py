@@ -306,3 +306,11 @@ def test_page_rows_one_probe_a_line():
 
     page = render_page([ProbeView("a.jpg", None, None, (MatchView("x", 0.5),)), ProbeView("b.jpg", None, None, (MatchView("y", 0.25),))], title="t")
     assert "</figure></div>\n<div class=\"probe\"><figure>" in page and "XX" not in page
+    assert "All 2 probes shown." in page
+
+
+def test_gallery_search_defaults_top5_auto():
+    from facepipe.gallery.search import Gallery
+
+    gallery = Gallery(np.eye(7, dtype=np.float32), list("abcdefg"))
+    assert [m.identity for m in gallery.search(np.eye(7, dtype=np.float32)[:1])[0]] == ["a", "b", "c", "d", "e"]
