@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 
 from facepipe.data.decode import Reject, load_image_reduced
-from facepipe.data.scan import read_raw_file, unescape_path
+from facepipe.data.scan import FileTooLarge, read_raw_file, unescape_path
 
 #: Photos above these are not opened for a thumbnail (a page should not stall on one file).
 MAX_BYTES = 64 * 2**20
@@ -22,11 +22,12 @@ def face_thumbnail(raw: str | Path | None, path: str, box: Sequence[float] | Non
     """A JPEG (longest side ``size``) of the face ``box`` (full-resolution pixels, x1 y1 x2 y2) grown
     by ``context`` of its size on each side, from the photo ``path`` (a scan path under ``raw``, or
     an absolute path when ``raw`` is None); the whole photo when ``box`` is None. None when the file
-    is not under ``raw``, is gone, or does not decode: a page shows a placeholder then."""
+    is not under ``raw``, is gone, is over ``MAX_BYTES``, or does not decode: a page shows a
+    placeholder then."""
     try:
         data = _read(raw, path)
         decoded = load_image_reduced(data, max_pixels=MAX_PIXELS, longest=None)
-    except (OSError, ValueError, Reject):
+    except (OSError, ValueError, FileTooLarge, Reject):
         return None
     image = decoded.image
     if box is not None:
