@@ -144,11 +144,22 @@ def test_process_chunk_keeps_every_passing_face_when_asked(raw, detector):
 
 
 def test_process_chunk_reads_only_identity_folders_by_default(raw, detector):
-    [stray] = extract.process_chunk(["top.png"], str(raw), FACES, "cpu")
+    stray, after = extract.process_chunk(["top.png", "ann/1.png"], str(raw), FACES)
     assert (stray.reason, stray.detail, stray.sha256) == ("outside_identity_folder", "file is not inside an identity folder", None)
+    assert after.accepted and detector.asked == [("retinaface", None, 20, 640, "auto")]
+    detector.calls.clear()
     [kept] = extract.process_chunk(["top.png"], str(raw), FACES, "cpu", all_faces=True, identity_folders=False)
     assert kept.accepted and detector.calls == [([(64, 96)], None)]
     assert extract.process_chunk(["ann/2.png"], str(raw), FACES, "cpu", all_faces=True)[0].others[0].header["score"] == 0.98
+
+
+def test_the_decode_budget_counts_every_pixel_held(raw, detector, monkeypatch):
+    monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 90 * 80 + 100 * 120)
+    extract.process_chunk(["ann/1.png", "ann/2.png", "top.png"], str(raw), FACES, "cpu", identity_folders=False)
+    assert [shapes for shapes, _ in detector.calls] == [[(90, 80), (100, 120)], [(64, 96)]]
+    monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 90 * 80 + 100 * 120 - 1)
+    extract.process_chunk(["ann/1.png", "ann/2.png"], str(raw), FACES, "cpu")
+    assert [shapes for shapes, _ in detector.calls[2:]] == [[(90, 80)], [(100, 120)]]
 
 
 def test_all_faces_in_every_detector_batch(raw, detector, monkeypatch):
@@ -291,10 +302,12 @@ def embedded_rows(model: Path, raw: Path, paths: list[str], *, all_faces: bool =
     return reference(model, [crop for o in outcomes if o.accepted for crop in crops_of(o)])
 
 
-def test_embed_writes_the_embedding_folder(raw, model, detector, tmp_path, monkeypatch):
+def test_embed_writes_the_embedding_folder(raw, model, detector, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(embed, "time", types.SimpleNamespace(perf_counter=Clock().perf_counter))
-    out = tmp_path / "out"
+    caplog.set_level(logging.INFO, logger="facepipe.embed")
+    out = tmp_path / "new" / "folder" / "out"
     report = embed.run(EMBED, raw, model, out, workers=1, progress=False)
+    assert [r.getMessage() for r in caplog.records if r.name == "facepipe.embed"] == ["embed: 6 photos, 6 to embed in 3 part(s) (0 reused, 0 removed)"]
     ref = resolve_model(model, "torch")
     work = embed.Work(str(raw), FACES, ref, "cpu", True, 2, False)
     manifest = json.loads((out / "embed.json").read_text())
@@ -338,6 +351,31 @@ def test_embed_writes_the_embedding_folder(raw, model, detector, tmp_path, monke
     assert embed.summary_line(report) == "embed: scanned 7, 3 face(s) from 3 photo(s), rejected 4; embedded 6 photo(s), reused 0, removed 0 in 0.8 s (24.0 faces/s)"
 
 
+class Bar:
+    made: list = []
+
+    def __init__(self, total, *, desc, enabled):
+        self.counts = [total, desc, enabled]
+        Bar.made.append(self.counts)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def update(self, n):
+        self.counts.append(n)
+
+
+def test_embed_shows_its_progress_by_default(raw, model, detector, tmp_path, monkeypatch):
+    monkeypatch.setattr(embed, "Progress", Bar)
+    Bar.made.clear()
+    embed.run(EMBED, raw, model, tmp_path / "on", workers=1)
+    embed.run(EMBED.model_copy(update={"files_per_part": 3}), raw, model, tmp_path / "off", workers=1, progress=False)
+    assert Bar.made == [[6, "embed", True, 2, 2, 2], [6, "embed", False, 2, 1, 2, 1]]
+
+
 def test_embed_again_reuses_and_updates(raw, model, detector, tmp_path, monkeypatch):
     import shutil
 
@@ -377,6 +415,31 @@ def test_all_faces_embeds_every_passing_face(raw, model, detector, tmp_path):
     outcomes = extract.process_chunk(["ann/1.png", "ann/2.png", "top.png"], str(raw), FACES, "cpu", all_faces=True, identity_folders=False)
     expected = reference(model, [crop for o in outcomes for crop in crops_of(o)], flip=False)
     assert np.abs(result.matrix - expected).max() <= 1e-5
+
+
+def test_embed_chunks_runs_the_model_once_on_the_resolved_device(raw, model, detector, monkeypatch):
+    seen = []
+
+    def embedder(ref, **kwargs):
+        seen.append((ref, kwargs))
+        return lambda faces: np.full((len(faces), 8), len(faces), np.float32)
+
+    monkeypatch.setattr(embed, "embedder", embedder)
+    work = embed.Work(str(raw), FACES, resolve_model(model, "torch"), "auto", False, 3, True)
+    [(lines, rows), (none, empty), (top, one)] = embed.embed_chunks([["ann/1.png", "ann/2.png"], ["bob/1.png"], ["top.png"]], work)
+    assert seen == [(work.model, {"device": "cpu", "flip": False, "batch_size": 3})]  # auto: no GPU here
+    assert detector.asked == [("retinaface", None, 20, 640, "auto")] * 3
+    assert [len(line["faces"]) for line in lines] == [1, 2] and np.array_equal(rows, np.full((3, 8), 3, np.float32))
+    assert none == [{"path": "bob/1.png", "sha256": hashlib.sha256((raw / "bob" / "1.png").read_bytes()).hexdigest(), "reason": "no_face", "detail": "detector found no face"}]
+    assert empty.shape == (0, 8) and empty.dtype == np.float32 and top[0]["path"] == "top.png" and one.shape == (1, 8)
+
+
+def test_embed_with_the_onnx_runtime(raw, model, exported, detector, tmp_path):
+    out = tmp_path / "out"
+    embed.run(EMBED.model_copy(update={"runtime": "onnx"}), raw, exported, out, workers=1, progress=False)
+    result = store.load_embeddings(out)
+    assert result.manifest["model"] == resolve_model(exported, "onnx").describe() and result.manifest["model"]["runtime"] == "onnx"
+    assert np.abs(result.matrix - embedded_rows(model, raw, ["ann/1.png", "ann/2.png", "top.png"])).max() <= 1e-5
 
 
 def test_embed_refuses_before_any_work(raw, model, detector, tmp_path):

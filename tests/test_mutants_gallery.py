@@ -637,6 +637,7 @@ def test_passing_faces_the_selected_one_first_then_by_score():
     centre = GATES.model_copy(update={"face_selection": "center"})
     kept = extract._passing([mid, big, face(90, 90, 20, 0.9)], centre, (200, 200))
     assert [f.score for f in kept] == [0.9, 0.95, 0.91]
+    assert extract._gate([mid, big, face(90, 90, 20, 0.9)], centre, (200, 200)).score == 0.9
     same = [face(0, 0, 30, 0.95), face(40, 0, 30, 0.95)]
     assert extract._passing(same, GATES.model_copy(update={"face_selection": "highest_score"}), (100, 100)) == same  # ties keep their order
     edge = [face(0, 0, 20, 0.9)]
