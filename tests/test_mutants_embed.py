@@ -147,6 +147,8 @@ def test_process_chunk_reads_only_identity_folders_by_default(raw, detector):
     stray, after = extract.process_chunk(["top.png", "ann/1.png"], str(raw), FACES)
     assert (stray.reason, stray.detail, stray.sha256) == ("outside_identity_folder", "file is not inside an identity folder", None)
     assert after.accepted and detector.asked == [("retinaface", None, 20, 640, "auto")]
+    [empty] = extract.process_chunk(["bob/2.jpg"], str(raw), FACES, "cpu")  # a reject of the decode
+    assert (empty.path, empty.sha256, empty.reason, empty.detail) == ("bob/2.jpg", hashlib.sha256(b"").hexdigest(), "empty_file", "0 bytes")
     detector.calls.clear()
     [kept] = extract.process_chunk(["top.png"], str(raw), FACES, "cpu", all_faces=True, identity_folders=False)
     assert kept.accepted and detector.calls == [([(64, 96)], None)]
@@ -160,6 +162,10 @@ def test_the_decode_budget_counts_every_pixel_held(raw, detector, monkeypatch):
     monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 90 * 80 + 100 * 120 - 1)
     extract.process_chunk(["ann/1.png", "ann/2.png"], str(raw), FACES, "cpu")
     assert [shapes for shapes, _ in detector.calls[2:]] == [[(90, 80)], [(100, 120)]]
+    assert detector.asked == [("retinaface", None, 20, 640, "cpu")] * 4  # every batch on the device asked for
+    monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 100 * 120 + 64 * 96)  # held counts from 0 after a flush
+    extract.process_chunk(["ann/1.png", "ann/2.png", "top.png"], str(raw), FACES, "cpu", identity_folders=False)
+    assert [shapes for shapes, _ in detector.calls[4:]] == [[(90, 80)], [(100, 120), (64, 96)]]
 
 
 def test_all_faces_in_every_detector_batch(raw, detector, monkeypatch):
@@ -425,10 +431,10 @@ def test_embed_chunks_runs_the_model_once_on_the_resolved_device(raw, model, det
         return lambda faces: np.full((len(faces), 8), len(faces), np.float32)
 
     monkeypatch.setattr(embed, "embedder", embedder)
-    work = embed.Work(str(raw), FACES, resolve_model(model, "torch"), "auto", False, 3, True)
+    work = embed.Work(str(raw), FACES, resolve_model(model, "torch"), "cpu", False, 3, True)
     [(lines, rows), (none, empty), (top, one)] = embed.embed_chunks([["ann/1.png", "ann/2.png"], ["bob/1.png"], ["top.png"]], work)
-    assert seen == [(work.model, {"device": "cpu", "flip": False, "batch_size": 3})]  # auto: no GPU here
-    assert detector.asked == [("retinaface", None, 20, 640, "auto")] * 3
+    assert seen == [(work.model, {"device": "cpu", "flip": False, "batch_size": 3})]
+    assert detector.asked == [("retinaface", None, 20, 640, "cpu")] * 3
     assert [len(line["faces"]) for line in lines] == [1, 2] and np.array_equal(rows, np.full((3, 8), 3, np.float32))
     assert none == [{"path": "bob/1.png", "sha256": hashlib.sha256((raw / "bob" / "1.png").read_bytes()).hexdigest(), "reason": "no_face", "detail": "detector found no face"}]
     assert empty.shape == (0, 8) and empty.dtype == np.float32 and top[0]["path"] == "top.png" and one.shape == (1, 8)

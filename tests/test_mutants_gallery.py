@@ -341,6 +341,8 @@ def test_recorded_detector_weights_must_be_given_by_a_file_with_their_sha256(tmp
             training_faces(spec, given)
         assert str(error.value) == message
     assert training_faces(SPEC.model_copy(update={"faces": {**recorded_params(FACES), "detector_weights": None}})) == FACES
+    unnamed = {key: value for key, value in recorded_params(FACES).items() if key != "detector_weights"}
+    assert training_faces(SPEC.model_copy(update={"faces": unnamed})) == FACES  # recorded without the key at all
 
 
 def test_recorded_faces_this_facepipe_does_not_read():
