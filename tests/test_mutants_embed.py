@@ -147,7 +147,8 @@ def test_process_chunk_reads_only_identity_folders_by_default(raw, detector):
     stray, after = extract.process_chunk(["top.png", "ann/1.png"], str(raw), FACES)
     assert (stray.reason, stray.detail, stray.sha256) == ("outside_identity_folder", "file is not inside an identity folder", None)
     assert after.accepted and detector.asked == [("retinaface", None, 20, 640, "auto")]
-    [empty] = extract.process_chunk(["bob/2.jpg"], str(raw), FACES, "cpu")  # a reject of the decode
+    empty, later = extract.process_chunk(["bob/2.jpg", "ann/1.png"], str(raw), FACES, "cpu")  # a reject of the decode
+    assert later.accepted
     assert (empty.path, empty.sha256, empty.reason, empty.detail) == ("bob/2.jpg", hashlib.sha256(b"").hexdigest(), "empty_file", "0 bytes")
     detector.calls.clear()
     [kept] = extract.process_chunk(["top.png"], str(raw), FACES, "cpu", all_faces=True, identity_folders=False)
