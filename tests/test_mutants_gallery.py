@@ -421,7 +421,8 @@ def test_resolve_an_export_folder(tmp_path):
     [
         ("{", "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
         ({"files": {}}, "'model'"),
-        ({"model": {"backbone": "x"}, "files": {}}, "Field required"),
+        ({"model": {"backbone": "x", "embedding_size": 4}, "files": {}}, "Field required"),  # one error: the first one's message
+        ({"model": {"backbone": "x", "embedding_size": "a", "image_size": "b"}, "files": {}}, "Input should be a valid integer, unable to parse string as an integer"),
         ({"model": SPEC.model_dump(mode="json"), "files": {}}, "'onnx'"),
         ({"model": SPEC.model_dump(mode="json"), "files": []}, "list indices must be integers or slices, not str"),
         ([], "list indices must be integers or slices, not str"),
