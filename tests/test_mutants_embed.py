@@ -187,7 +187,8 @@ def test_read_rejects(tmp_path):
     assert (big.reason, big.detail) == ("file_too_large", f"{(16 << 20) + 9} bytes; an image of max_pixels=1 takes at most {(16 << 20) + 8}")
     (tmp_path / "top.png").write_bytes(b"data")
     assert extract._read("top.png", str(tmp_path), PrepareParams(), identity_folders=False) == (hashlib.sha256(b"data").hexdigest(), b"data")
-    assert extract._read("top.png", str(tmp_path), PrepareParams()).reason == "outside_identity_folder"
+    stray = extract.Outcome("top.png", None, reason="outside_identity_folder", detail="file is not inside an identity folder")
+    assert extract._read("top.png", str(tmp_path), PrepareParams()) == stray
     with open(tmp_path / "a" / "edge.png", "wb") as handle:
         handle.truncate((16 << 20) + 8)
     assert extract._read("a/edge.png", str(tmp_path), tiny)[1] == bytes((16 << 20) + 8)
