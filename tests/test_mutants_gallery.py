@@ -116,6 +116,26 @@ def test_read_part_is_none_for_a_missing_partial_or_corrupt_part(tmp_path, damag
     assert store.read_part(tmp_path, "part-00000") is None
 
 
+@pytest.mark.parametrize("content", ["pickled objects", "not npy"])
+def test_read_part_is_none_for_npy_bytes_that_hash_right_but_are_no_float_array(tmp_path, content):
+    """A crafted part: its .jsonl names the sha256 of a pickled object array (or of no .npy at all).
+    It must read as unusable (re-embedded), never unpickled, never a traceback."""
+    import hashlib
+    import io
+
+    (tmp_path / store.PARTS).mkdir()
+    buffer = io.BytesIO()
+    if content == "pickled objects":
+        np.save(buffer, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    else:
+        buffer.write(b"not an npy file")
+    data = buffer.getvalue()
+    (tmp_path / store.PARTS / "part-00000.npy").write_bytes(data)
+    header = {"part": "part-00000", "settings": "key", "faces": 0, "embeddings_sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / store.PARTS / "part-00000.jsonl").write_text(json.dumps(header) + "\n")
+    assert store.read_part(tmp_path, "part-00000") is None
+
+
 def test_index_lines_one_per_face_in_row_order():
     two = {"path": "ann/1.jpg", "sha256": "h1", "faces": [{"box": [1], "landmarks": [[2]], "score": 0.5}, {"box": [3], "landmarks": [[4]], "score": 0.25}]}
     top = {"path": "2.jpg", "sha256": "h2", "faces": [{"box": [5], "landmarks": [[6]], "score": 0.75}]}

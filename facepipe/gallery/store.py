@@ -112,7 +112,12 @@ def read_part(folder: Path, name: str) -> Part | None:
     header = lines[0]
     if hashlib.sha256(data).hexdigest() != header.get("embeddings_sha256"):
         return None
-    embeddings = np.load(io.BytesIO(data), allow_pickle=False)
+    try:  # bytes that hash right but are no plain array (crafted): unusable, never unpickled
+        embeddings = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        return None
+    if embeddings.dtype != np.float32 or embeddings.ndim != 2:
+        return None
     return Part(name, header, lines[1:], embeddings)
 
 
