@@ -214,6 +214,7 @@ def test_an_update_that_cannot_grow_the_set_is_refused_or_with_auto_prepared_in_
     with pytest.raises(NotGrowable) as error:
         prepare._plan(out, other, items, raw=raw, update=True)
     assert str(error.value).startswith("--update: ")
+    caplog.clear()  # the earlier prepare's INFO lines, kept when another test left the logger at INFO
     with caplog.at_level(logging.WARNING, logger="facepipe.prepare"):
         assert prepare._plan(out, other, items, raw=raw, update="auto") is None
     why = str(error.value).removeprefix("--update: ")
