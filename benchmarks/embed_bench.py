@@ -43,6 +43,9 @@ from functools import partial
 from pathlib import Path
 
 import psutil
+
+from facepipe.gallery.store import EMBEDDING_FOLDER
+from facepipe.io.atomic import check_replaceable
 import yaml
 
 from facepipe.config import SampleDataParams
@@ -120,6 +123,7 @@ def embed_loop(raw: Path, model: Path, out: Path) -> tuple[Run, int]:
 
 def facepipe_embed(raw: Path, model: Path, *, out: Path, workers: int, params_file: Path, runtime: str) -> tuple[Run, int]:
     """The whole ``facepipe embed --all-faces`` command into a fresh ``out``, and its report's worker count."""
+    check_replaceable(out, EMBEDDING_FOLDER)  # removed only when it is an embedding folder (an earlier run's)
     shutil.rmtree(out, ignore_errors=True)
     command = [
         sys.executable, "-m", "facepipe", "embed", str(raw), str(model), str(out), "--all-faces",

@@ -500,9 +500,22 @@ def test_embed_follows_symlinks_as_the_training_set_did(raw, model, detector, tm
 def test_write_new_part_of_a_file_gone_since_the_scan(model, tmp_path):
     (tmp_path / "parts").mkdir()
     work = embed.Work(str(tmp_path), FACES, resolve_model(model, "torch"), "cpu", True, 2, False)
-    embed._write_new_part(tmp_path, "part-00000", [{"path": "a/1.png", "sha256": "x", "reason": "io_error", "detail": ""}], [], work, "key")
+    embed._write_new_part(tmp_path, "part-00000", [{"path": "a/1.png", "sha256": "x", "reason": "io_error", "detail": ""}], [], work, "key", {})
     part = store.read_part(tmp_path, "part-00000")
     assert part.files[0]["size"] is None and part.files[0]["mtime_ns"] is None and part.embeddings.shape == (0, 8)
+
+
+def test_a_part_records_the_stats_the_scan_saw_not_those_after_the_read(model, tmp_path):
+    """A photo rewritten while the run read it keeps the scan's size and mtime: the next run sees it
+    changed and embeds it again (a stat taken after the read would hide the change)."""
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.png").write_bytes(b"rewritten since the scan")
+    work = embed.Work(str(tmp_path), FACES, resolve_model(model, "torch"), "cpu", True, 2, False)
+    line = {"path": "a/1.png", "sha256": "x", "reason": "no_face", "detail": ""}
+    embed._write_new_part(tmp_path, "part-00000", [line], [], work, "key", {"a/1.png": (7, 123)})
+    part = store.read_part(tmp_path, "part-00000")
+    assert (part.files[0]["size"], part.files[0]["mtime_ns"]) == (7, 123)
 
 
 def test_runner_and_warm_up(model, detector, monkeypatch):

@@ -193,7 +193,9 @@ def run(
     todo = _resume(out, plan, stats, settings=settings)
     log.info("embed: %d photos, %d to embed in %d part(s) (%d reused, %d removed)", len(stats), sum(len(t) for _, t in todo), len(todo), plan.reused, plan.removed)
     timings = {"scan": time.perf_counter() - started}
-    scheduler, n_workers = _embed_parts(out, todo, work, settings, workers=workers, scheduler_address=scheduler_address, progress=progress, timings=timings)
+    scheduler, n_workers = _embed_parts(
+        out, todo, work, settings, stats, workers=workers, scheduler_address=scheduler_address, progress=progress, timings=timings
+    )
     for name, source in plan.parts:
         if isinstance(source, Rewrite):
             _rewrite(out, name, plan.old_parts[source.old], source.lines, settings)
@@ -264,6 +266,7 @@ def _embed_parts(
     todo: list[tuple[str, list[ScanItem]]],
     work: Work,
     settings: str,
+    stats: dict[str, tuple[int, int]],
     *,
     workers: int | None,
     scheduler_address: str | None,
@@ -290,15 +293,17 @@ def _embed_parts(
             blocks.append(embeddings)
             bar.update(len(chunk))
             if position + 1 == len(chunks) or chunks[position + 1][0] != name:
-                _write_new_part(out, name, lines, blocks, work, settings)
+                _write_new_part(out, name, lines, blocks, work, settings, stats)
                 lines, blocks = [], []
         timings["process"] = time.perf_counter() - process_started
     return scheduler, n_workers
 
 
-def _write_new_part(out: Path, name: str, lines: list[dict[str, Any]], blocks: list[np.ndarray], work: Work, settings: str) -> None:
-    """A part of freshly embedded photos, each line with the size and mtime the scan saw."""
-    stats = file_stats(Path(work.raw), [ScanItem(line["path"], None) for line in lines])
+def _write_new_part(
+    out: Path, name: str, lines: list[dict[str, Any]], blocks: list[np.ndarray], work: Work, settings: str, stats: dict[str, tuple[int, int]]
+) -> None:
+    """A part of freshly embedded photos, each line with the size and mtime the scan saw before the
+    photo was read (a photo changed while it was read is then seen as changed by the next run)."""
     lines = [{**line, "size": stats.get(line["path"], (None, None))[0], "mtime_ns": stats.get(line["path"], (None, None))[1]} for line in lines]
     store.write_part(out, name, settings, lines, np.concatenate(blocks) if blocks else np.zeros((0, work.model.spec.embedding_size), np.float32))
 
