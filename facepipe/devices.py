@@ -62,6 +62,8 @@ def resolve_device_name(
     if preference != "auto" and match is None:
         raise FacepipeError(f"{what}: {preference!r} is not a device (auto, cpu, cuda or cuda:N)")
     if match is not None and match.group(1) == "cpu":
+        if match.group(2) not in (None, "0"):  # one CPU device: "cpu:5" is a typo, not a choice
+            raise FacepipeError(f"{what}: {preference!r} is not a device: the CPU is cpu (or cpu:0)")
         return "cpu"
     count = cuda_device_count() if device_count is None else device_count
     if match is None and count == 0:

@@ -460,7 +460,7 @@ def test_fast_decode_leaves_fill_coloured_bottom_rows_to_pillow():
 
 
 def test_device_names_without_torch():
-    assert resolve_device_name("cpu") == "cpu" and resolve_device_name("cpu:3", device_count=0) == "cpu"
+    assert resolve_device_name("cpu") == "cpu" and resolve_device_name("cpu:0", device_count=0) == "cpu"
     assert resolve_device_name("auto", device_count=0) == "cpu"
     assert resolve_device_name("auto", device_count=1) == "cuda:0"
     assert resolve_device_name(device_count=3, index=2) == "cuda:2"  # auto is the default
@@ -469,6 +469,8 @@ def test_device_names_without_torch():
     assert resolve_device_name("cuda:10", device_count=11) == "cuda:10"
     for preference, count, message in [
         ("gpu", 2, "device: 'gpu' is not a device (auto, cpu, cuda or cuda:N)"),
+        ("cpu:3", 2, "device: 'cpu:3' is not a device: the CPU is cpu (or cpu:0)"),
+        ("cpu:00", 0, "device: 'cpu:00' is not a device: the CPU is cpu (or cpu:0)"),
         ("xcpu", 2, "device: 'xcpu' is not a device (auto, cpu, cuda or cuda:N)"),
         ("cuda:1x", 2, "device: 'cuda:1x' is not a device (auto, cpu, cuda or cuda:N)"),
         ("cuda", 0, "device is 'cuda' but no CUDA device is available"),

@@ -169,6 +169,16 @@ def test_the_decode_budget_counts_every_pixel_held(raw, detector, monkeypatch):
     assert [shapes for shapes, _ in detector.calls[4:]] == [[(90, 80)], [(100, 120), (64, 96)]]
 
 
+def test_each_photo_is_opened_once_for_its_size_and_its_decode(raw, detector, monkeypatch):
+    """The header parsed for the decode budget is the one decoded: Pillow opens each file once."""
+    from facepipe.data import decode
+
+    opened, real_open = [], decode.Image.open
+    monkeypatch.setattr(decode.Image, "open", lambda fp, *args, **kwargs: opened.append(fp) or real_open(fp, *args, **kwargs))
+    outcomes = extract.process_chunk(["ann/1.png", "ann/2.png", "bob/1.png", "bob/2.jpg"], str(raw), FACES, "cpu")
+    assert [o.reason for o in outcomes] == [None, None, "no_face", "empty_file"] and len(opened) == 3
+
+
 def test_all_faces_in_every_detector_batch(raw, detector, monkeypatch):
     monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 1)  # one detector batch a photo
     outcomes = extract.process_chunk(["ann/2.png", "ann/1.png"], str(raw), FACES, "cpu", all_faces=True)

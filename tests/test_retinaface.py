@@ -22,8 +22,8 @@ from facepipe.config import PrepareParams, SampleDataParams
 from facepipe.data.decode import Reject, load_image
 from facepipe.data import extract
 from facepipe.detection import create_detector, weights
-from facepipe.detection.retinaface import MIN_FACE_INPUT, OnnxRetinaFace, RetinaFaceDetector, decode, nms, onnx_model, priors
-from facepipe.detection.retinaface_net import BGR_MEAN, RetinaFace, load_checkpoint, load_onnx
+from facepipe.detection.retinaface import BGR_MEAN, MIN_FACE_INPUT, OnnxRetinaFace, RetinaFaceDetector, decode, nms, onnx_model, priors
+from facepipe.detection.retinaface_net import RetinaFace, load_checkpoint, load_onnx
 from facepipe.errors import FacepipeError
 from facepipe.io import ShardSet
 from facepipe.stages import prepare
@@ -256,6 +256,30 @@ def test_input_scale_follows_detect_size_and_min_face_size():
     assert net.input_side((500, 400, 3), reduction=2) == 200 == net.input_side((1000, 800, 3))
     net.min_face_size = 20  # already small: the image's own size
     assert net.input_side((500, 300, 3)) == 500
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("detect_size", 31, "detect_size must be at least 32 px, got 31"),
+        ("score_floor", -0.1, "score_floor must be between 0 and 1, got -0.1"),
+        ("score_floor", float("nan"), "score_floor must be between 0 and 1, got nan"),
+        ("nms_threshold", 1.5, "nms_threshold must be between 0 and 1, got 1.5"),
+        ("nms_threshold", float("nan"), "nms_threshold must be between 0 and 1, got nan"),
+        ("top_k", 0, "top_k must be at least 1, got 0"),
+        ("keep_top_k", 0, "keep_top_k must be at least 1, got 0"),
+    ],
+)
+def test_settings_out_of_range_are_refused_before_loading(setting, value, message):
+    with pytest.raises(ValueError) as info:
+        RetinaFaceDetector(device="cpu", weights="/nonexistent.onnx", **{setting: value})
+    assert str(info.value) == message
+
+
+def test_settings_at_the_ends_of_their_ranges_load(retinaface_onnx):
+    detector = RetinaFaceDetector(device="cpu", detect_size=32, score_floor=0.0, nms_threshold=1.0, top_k=1, keep_top_k=1)
+    assert detector.nms_threshold == 1.0 and len(detector.detect([np.zeros((40, 40, 3), np.uint8)])[0]) == 1  # floor 0: the one best
+    RetinaFaceDetector(device="cpu", score_floor=1.0, nms_threshold=0.0)
 
 
 def test_priors_and_decoding_follow_biubug6():
@@ -551,20 +575,27 @@ def test_large_jpegs_are_detected_reduced_and_aligned_at_full_detail(retinaface_
     paths = large_photos(tmp_path)
     params = PrepareParams(detector=name)
     seen: list[int] = []
-    reduced_load = decode.load_image_reduced
+    reduced_load, opened_load = decode.load_image_reduced, decode.decode_opened
 
-    def spy(data, *, max_pixels, longest):
+    def spy(data, *, max_pixels, longest):  # the decodes for alignment
         out = reduced_load(data, max_pixels=max_pixels, longest=longest)
         seen.append(out.reduction)
         return out
 
+    def opened_spy(data, pil, *, max_pixels, longest):  # the decodes for detection
+        out = opened_load(data, pil, max_pixels=max_pixels, longest=longest)
+        seen.append(out.reduction)
+        return out
+
     monkeypatch.setattr(extract, "load_image_reduced", spy)
+    monkeypatch.setattr(extract, "decode_opened", opened_spy)
     reduced = extract.process_chunk(paths, str(tmp_path), params, "cpu")
     # detection at 1/4 for both; the ~320-px face is near the 1/4 boundary (the 112 crop holds ~80 px
     # of it): aligned from the 1/4 decode (MTCNN's landmarks) or a 1/2 one (RetinaFace's); the lone
     # face from a full-resolution decode
     assert seen == {"mtcnn": [4, 4, 1], "retinaface": [4, 4, 2, 1]}[name]
     monkeypatch.setattr(extract, "load_image_reduced", lambda data, *, max_pixels, longest: reduced_load(data, max_pixels=max_pixels, longest=None))
+    monkeypatch.setattr(extract, "decode_opened", lambda data, pil, *, max_pixels, longest: opened_load(data, pil, max_pixels=max_pixels, longest=None))
     full = extract.process_chunk(paths, str(tmp_path), params, "cpu")
     for a, b in zip(reduced, full):
         assert a.accepted and b.accepted, (a.reason, b.reason)

@@ -65,6 +65,18 @@ _JPEG_FILL = 128
 _FILL_ROWS = 4
 
 
+def _fill_rows(reduction: int) -> int:
+    """How many bottom rows of a 1/``reduction`` scale decode stand for the full image's last 4 (at
+    least 1: a missing 8-px block row)."""
+    return max(1, _FILL_ROWS // reduction)
+
+
+def _is_fill(rows: np.ndarray) -> bool:
+    """Whether these bottom rows are all exactly libjpeg's fill grey in every channel: the data may
+    end before the image does (both JPEG paths decide by this one rule)."""
+    return bool((rows == _JPEG_FILL).all())
+
+
 def _check_complete_jpeg(pil: Image.Image, reduction: int = 1) -> None:
     """Raise Reject("unreadable") when a JPEG's data ended before its last rows (header lies, or a file
     cut and closed with an end marker): libjpeg fills them with exact mid-grey and reports nothing.
@@ -75,11 +87,10 @@ def _check_complete_jpeg(pil: Image.Image, reduction: int = 1) -> None:
     that rare outside synthetic images. Decoded at 1/``reduction`` scale, the last 4 / ``reduction``
     rows (at least 1: a missing 8-px block row) stand for those 4.
     """
-    rows = max(1, _FILL_ROWS // reduction)
+    rows = _fill_rows(reduction)
     if pil.format != "JPEG" or pil.mode not in ("L", "RGB") or pil.height < rows:
         return
-    bottom = np.asarray(pil.crop((0, pil.height - rows, pil.width, pil.height)))
-    if not (bottom == _JPEG_FILL).all():
+    if not _is_fill(np.asarray(pil.crop((0, pil.height - rows, pil.width, pil.height)))):
         return
     filled = (np.asarray(pil).reshape(pil.height, -1) == _JPEG_FILL).all(axis=1)[::-1]
     count = int(np.argmin(filled)) if not filled.all() else pil.height
@@ -90,18 +101,6 @@ def max_file_bytes(max_pixels: int) -> int:
     """The most bytes an image of ``max_pixels`` can take: 8 a pixel (16-bit RGBA, uncompressed) plus
     16 MiB of metadata. A bigger file is refused unread, so a worker never holds more of one file."""
     return 8 * max_pixels + (16 << 20)
-
-
-def header_pixels(data: bytes) -> int:
-    """Width x height from the image header alone, without decoding; 0 when the header does not
-    parse (:func:`load_image` then says why)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(data)) as pil:
-                return pil.width * pil.height
-    except Exception:  # noqa: BLE001 - any failure is load_image's to report
-        return 0
 
 
 def load_image(data: bytes, *, max_pixels: int) -> np.ndarray:
@@ -173,8 +172,7 @@ def _decode_jpeg(data: bytes, pil: Image.Image, reduction: int) -> Decoded | Non
         pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=expected[0], min_width=expected[1], strict=True)
     except ValueError:
         return None
-    rows = max(1, _FILL_ROWS // reduction)
-    if pixels.shape[:2] != expected or (pixels[-rows:] == _JPEG_FILL).all():
+    if pixels.shape[:2] != expected or _is_fill(pixels[-_fill_rows(reduction) :]):
         return None  # another scale than asked, or the data may end early: Pillow's path decides
     orientation = pil.getexif().get(0x0112, 1)
     upright = (height, width) if orientation in (5, 6, 7, 8) else (width, height)
@@ -183,21 +181,33 @@ def _decode_jpeg(data: bytes, pil: Image.Image, reduction: int) -> Decoded | Non
     return Decoded(pixels, reduction, upright)
 
 
-def load_image_reduced(data: bytes, *, max_pixels: int, longest: int | None) -> Decoded:
-    """:func:`load_image`, but a JPEG at least twice ``longest`` on its longest side is decoded at
-    1/2, 1/4 or 1/8 scale (libjpeg's scaled IDCT: ~3-10x less work than the full image), as long as
-    the longest side stays >= ``longest``. Same rejects as :func:`load_image` (``too_many_pixels``
-    judged on the full size)."""
+def open_image(data: bytes) -> Image.Image:
+    """The image's header, parsed (Pillow reads the pixels later, in :func:`decode_opened`), or a
+    :class:`Reject`: ``empty_file``, ``not_an_image``, ``unreadable``. Its size is known from here:
+    prepare counts a photo's pixels against its memory budget before decoding it."""
     if not data:
         raise Reject("empty_file", "0 bytes")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pil = Image.open(io.BytesIO(data))
+            return Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise Reject("not_an_image", "no known image format") from None
     except Exception as error:  # noqa: BLE001 - any decoder failure is a per-image reject
         raise Reject("unreadable", f"{type(error).__name__}: {error}") from None
+
+
+def load_image_reduced(data: bytes, *, max_pixels: int, longest: int | None) -> Decoded:
+    """:func:`load_image`, but a JPEG at least twice ``longest`` on its longest side is decoded at
+    1/2, 1/4 or 1/8 scale (libjpeg's scaled IDCT: ~3-10x less work than the full image), as long as
+    the longest side stays >= ``longest``. Same rejects as :func:`load_image` (``too_many_pixels``
+    judged on the full size)."""
+    return decode_opened(data, open_image(data), max_pixels=max_pixels, longest=longest)
+
+
+def decode_opened(data: bytes, pil: Image.Image, *, max_pixels: int, longest: int | None) -> Decoded:
+    """:func:`load_image_reduced` of ``data`` whose header :func:`open_image` parsed into ``pil``
+    (closed here): the header is parsed once."""
     with pil:
         width, height = pil.size
         if width * height > max_pixels:

