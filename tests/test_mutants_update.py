@@ -205,7 +205,7 @@ def test_update_refusals_are_whole_one_line_messages(tmp_path):
         " not mix two alignments or encodings: run a full prepare (without --update)"
     )
     with pytest.raises(NotGrowable) as error:
-        update.plan_update(out, PARAMS, [], raw=raw, manifest_params={**manifest["params"], "image_size": 96, "encoding": "png"})
+        update.plan_update(out, [], raw=raw, manifest_params={**manifest["params"], "image_size": 96, "encoding": "png"})
     assert str(error.value).startswith(f"--update: the prepare params differ from those {out} was prepared with (encoding: 'jpeg' -> 'png', image_size: 112 -> 96);")
     (out / "labels.json").write_text(json.dumps(json.loads((out / "labels.json").read_text()) + ["extra"]))
     message = refusal(NotGrowable)
@@ -220,7 +220,7 @@ def test_update_refusals_are_whole_one_line_messages(tmp_path):
     assert refusal(NotGrowable) == f"--update: {out} was written by an older facepipe (set v3, no sources.jsonl): run a full prepare (without --update) once"
     (out / "manifest.json").write_text("[]")  # the CLI's output check refuses it first; the plan itself too:
     with pytest.raises(FacepipeError) as error:
-        update.plan_update(out, PARAMS, [], raw=raw, manifest_params=manifest["params"])
+        update.plan_update(out, [], raw=raw, manifest_params=manifest["params"])
     assert str(error.value) == f"--update: {out} is not a facepipe shard set to grow (manifest.json of {out} is not a JSON object)"
 
 
@@ -248,7 +248,7 @@ def test_the_plan_reuses_unchanged_files_and_reads_the_rest(tmp_path):
 
     items = scan_raw(raw)
     manifest = json.loads((out / "manifest.json").read_text())
-    plan = update.plan_update(out, PARAMS, items, raw=raw, manifest_params=manifest["params"])
+    plan = update.plan_update(out, items, raw=raw, manifest_params=manifest["params"])
     assert [item.path for item in plan.todo] == ["id0/1.jpg", "id3/0.jpg"]
     assert plan.removed == 1 and plan.base.root == out
     assert plan.stats["id1/2.jpg"] == ((raw / "id1" / "2.jpg").stat().st_size, 1)
@@ -359,7 +359,7 @@ def test_walk_feeds_every_file_in_scan_order_and_refuses_extra_outcomes(tmp_path
     run(raw, out)
     (raw / "id0" / "1.jpg").write_bytes(face(901))
     items = scan_raw(raw)
-    plan = update.plan_update(out, PARAMS, items, raw=raw, manifest_params=json.loads((out / "manifest.json").read_text())["params"])
+    plan = update.plan_update(out, items, raw=raw, manifest_params=json.loads((out / "manifest.json").read_text())["params"])
     outcomes = prepare.process_chunks([[item.path for item in plan.todo]], str(raw), PARAMS, "cpu")[0]
     (tmp_path / "tmp" / "shards").mkdir(parents=True)  # link_shards into a folder that has its shards/ already
     link_shards(plan.base, tmp_path / "tmp")
@@ -677,7 +677,7 @@ def test_base_generation_is_the_base_sets_shards_labels_and_history(tmp_path):
     write(raw, V1)
     run(raw, out)
     manifest = json.loads((out / "manifest.json").read_text())
-    plan = update.plan_update(out, PARAMS, [], raw=raw, manifest_params=manifest["params"])
+    plan = update.plan_update(out, [], raw=raw, manifest_params=manifest["params"])
     shards = tuple(ShardInfo(e["file"], e["num_samples"], e["sha256"], 0, e["bytes"]) for e in manifest["shards"])
     assert update.base_generation(plan) == Generation(
         number=1, stored=9, shards=shards, identities=("id0", "id1", "id2"), generations=tuple(manifest["generations"]),

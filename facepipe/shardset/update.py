@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from facepipe.config import PrepareParams
 from facepipe.data.extract import Outcome
 from facepipe.data.scan import ScanItem, file_stats, read_raw_file, unescape_path
 from facepipe.errors import FacepipeError
@@ -88,7 +87,7 @@ class UpdatePlan:
         return out
 
 
-def plan_update(out: Path, params: PrepareParams, items: list[ScanItem], *, raw: Path, manifest_params: dict[str, Any]) -> UpdatePlan:
+def plan_update(out: Path, items: list[ScanItem], *, raw: Path, manifest_params: dict[str, Any]) -> UpdatePlan:
     """Check that ``out`` is a set this update may grow, and decide which files to reuse. Raises
     FacepipeError (a folder that is not a facepipe set, an older set, changed params, an inconsistent set)."""
     base = _open_base(out, manifest_params)

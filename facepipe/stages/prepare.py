@@ -277,7 +277,7 @@ def _plan(out: Path, params: PrepareParams, items: list[ScanItem], *, raw: Path,
     if not (update and has_set(out)):
         return None
     try:
-        return plan_update(out, params, items, raw=raw, manifest_params=manifest_params(params))
+        return plan_update(out, items, raw=raw, manifest_params=manifest_params(params))
     except NotGrowable as error:
         if update != "auto":
             raise
