@@ -200,6 +200,26 @@ def test_an_update_reports_the_files_reused_processed_and_removed(tmp_path, monk
     assert full["generation"] == 0 and full["files"] == {"reused": 0, "processed": 7, "removed": 0}
 
 
+def test_a_report_of_detected_faces_counts_no_resized_crops_and_times_to_the_millisecond(monkeypatch):
+    """A detector's crops are aligned onto the output size, never resized: no "resized", whatever the
+    builder lists; the total keeps its milliseconds; a process phase under a second still gives the rate
+    of its own length."""
+    counts = {"counts": {"scanned": 3, "accepted": 2, "rejected": 1}, "rejected_by_reason": {"no_face": 1}, "num_identities": 2, "num_shards": 1}
+    built = SimpleNamespace(
+        manifest={"generations": [{"generation": 0, "reused": 0, "removed": 0}]}, counts=lambda: counts, shard_bytes=5000,
+        builder=SimpleNamespace(unchanged=False, payload_bytes=4000, resized=["a/0.jpg"]), report_html_s=0.125,
+    )
+    items = [ScanItem("a/0.jpg", "a"), ScanItem("a/1.jpg", "a"), ScanItem("b/0.jpg", "b")]
+    timings = {"scan": 0.25, "startup": 1.0, "process": 0.5}
+    job = prepare._Job(Path("raw"), PrepareParams(detector="retinaface"), items, None, {}, 100.0, timings, workers=2)
+    monkeypatch.setattr(prepare, "time", SimpleNamespace(perf_counter=lambda: 112.34567))
+    assert job.report(built, scheduler="local") == {
+        **counts, "generation": 0, "files": {"reused": 0, "processed": 3, "removed": 0}, "payload_bytes": 4000,
+        "shard_bytes": 5000, "workers": 2, "scheduler": "local",
+        "timings_s": {"scan": 0.25, "startup": 1.0, "process": 0.5, "report_html": 0.125, "total": 12.346}, "images_per_s": 6.0,
+    }
+
+
 def test_an_update_that_cannot_grow_the_set_is_refused_or_with_auto_prepared_in_full(tmp_path, caplog):
     from facepipe.shardset.update import NotGrowable
 
