@@ -282,6 +282,15 @@ def test_settings_at_the_ends_of_their_ranges_load(retinaface_onnx):
     RetinaFaceDetector(device="cpu", score_floor=1.0, nms_threshold=0.0)
 
 
+def test_the_library_defaults(retinaface_onnx):
+    """What ``RetinaFaceDetector()`` runs with when a notebook gives nothing (prepare passes its own
+    detect_size and min_face_size): 640 px, biubug6's top 5000 before NMS and 750 after, IoU 0.4."""
+    detector = RetinaFaceDetector(device="cpu")
+    settings = (detector.detect_size, detector.min_face_size, detector.score_floor, detector.nms_threshold)
+    assert settings == (640, None, 0.5, 0.4)
+    assert (detector.top_k, detector.keep_top_k, detector.device, detector.runtime) == (5000, 750, "cpu", "onnxruntime")
+
+
 def test_priors_and_decoding_follow_biubug6():
     """Anchors: row-major cells, two sizes per cell, strides 8/16/32; a zero regression is the anchor."""
     anchors = priors(64, 96)
