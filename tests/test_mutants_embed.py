@@ -592,6 +592,16 @@ def test_compare_refusals(raw, model, detector, tmp_path):
         compare.run(EMBED, a, a, model, thresholds=tmp_path / "none.json")
 
 
+
+def test_compare_embeds_one_face_a_photo_with_the_params(raw, model, detector, monkeypatch):
+    calls = []
+    real = compare.embed_files
+    monkeypatch.setattr(compare, "embed_files", lambda files, work: calls.append((files, work)) or real(files, work))
+    a, b = raw / "ann" / "2.png", raw / "top.png"
+    result = compare.run(EMBED.model_copy(update={"batch_size": 3, "flip": False}), a, b, model)
+    assert calls == [([a, b], embed.Work("", FACES, resolve_model(model, "torch"), "cpu", False, 3, False))]
+    assert result["a"]["box"] == [5.0, 5.0, 75.0, 75.0]  # the photo's best face of two
+
 # --- search with photos as probes -----------------------------------------------------------------------
 
 

@@ -314,3 +314,32 @@ def test_gallery_search_defaults_top5_auto():
 
     gallery = Gallery(np.eye(7, dtype=np.float32), list("abcdefg"))
     assert [m.identity for m in gallery.search(np.eye(7, dtype=np.float32)[:1])[0]] == ["a", "b", "c", "d", "e"]
+
+
+def test_the_table_shows_the_first_50_probes_by_default():
+    results = [{"probe": f"p{i}.jpg", "face": 0, "matches": [{"identity": "a", "score": 0.5}]} for i in range(51)]
+    lines = search.table({"results": results}).splitlines()
+    assert lines[49:] == ["p49.jpg: a 0.500", "... 1 more (--jsonl FILE writes them all)"]
+
+
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as ``open``'s default text encoding in this process (as under ``LANG=C`` with
+    UTF-8 mode off, tests/test_locale.py), restored after."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_the_photos_of_an_embedding_folder_read_as_utf8_under_the_ascii_locale(tmp_path, ascii_locale):
+    raw, folder = tmp_path / "José", tmp_path / "folder"
+    raw.mkdir()
+    folder.mkdir()
+    (folder / store.REPORT).write_text(json.dumps({"raw": str(raw)}, ensure_ascii=False), encoding="utf-8")
+    assert search._photos_of(folder) == raw
