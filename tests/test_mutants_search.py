@@ -343,3 +343,23 @@ def test_the_photos_of_an_embedding_folder_read_as_utf8_under_the_ascii_locale(t
     folder.mkdir()
     (folder / store.REPORT).write_text(json.dumps({"raw": str(raw)}, ensure_ascii=False), encoding="utf-8")
     assert search._photos_of(folder) == raw
+
+
+def test_the_page_names_each_face_and_cuts_no_probe_from_the_working_folder(tmp_path, monkeypatch):
+    raw = tmp_path / "raw"
+    for name in ("alice/1.jpg", "bob/1.jpg"):
+        _photo(raw / name)
+    gallery = _folder(tmp_path / "gallery", [("alice/1.jpg", [_unit(1, 0, 0)]), ("bob/1.jpg", [_unit(0, 1, 0)])], raw=raw)
+    probes = _folder(tmp_path / "probes", [("alice/1.jpg", [_unit(1, 0.1, 0), _unit(0.1, 1, 0)])])  # no report.json: photos unknown
+    monkeypatch.chdir(raw)  # the probe's scan path names a photo here, which is not the probes' photo
+    search.run(PARAMS, gallery, probes, html=tmp_path / "page.html")
+    text = (tmp_path / "page.html").read_text(encoding="utf-8")
+    assert ">alice/1.jpg<br>identity: alice<" in text and ">alice/1.jpg#1<br>identity: alice<" in text
+    assert text.count("<img") == 4 and text.count("no thumbnail") == 2  # the matches' thumbnails; placeholders for the probes
+    assert "same identity when" not in text
+    (gallery / store.REPORT).unlink()  # the gallery's photos unknown too: no thumbnail at all
+    (tmp_path / "thresholds.json").write_text(json.dumps({"thresholds": {"0.01": 0.5}}), encoding="utf-8")
+    search.run(PARAMS, gallery, probes, html=tmp_path / "page.html", thresholds=tmp_path / "thresholds.json")
+    text = (tmp_path / "page.html").read_text(encoding="utf-8")
+    assert text.count("<img") == 0 and text.count("no thumbnail") == 6
+    assert "same identity when the score is at least 0.500, different below." in text
