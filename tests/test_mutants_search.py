@@ -363,3 +363,21 @@ def test_the_page_names_each_face_and_cuts_no_probe_from_the_working_folder(tmp_
     text = (tmp_path / "page.html").read_text(encoding="utf-8")
     assert text.count("<img") == 0 and text.count("no thumbnail") == 6
     assert "same identity when the score is at least 0.500, different below." in text
+    search.run(PARAMS, gallery, probes, html=tmp_path / "page.html", gallery_raw=str(raw))  # named: the matches' thumbnails again
+    assert (tmp_path / "page.html").read_text(encoding="utf-8").count("<img") == 4
+
+
+def test_search_asks_the_gallery_for_the_params_top_k_and_method(gallery, probes, monkeypatch):
+    from facepipe.gallery.search import Gallery
+
+    asked = []
+
+    class Recording(Gallery):
+        def search(self, probes, **kwargs):
+            asked.append(kwargs)
+            return super().search(probes, **kwargs)
+
+    monkeypatch.setattr(search, "Gallery", Recording)
+    summary = search.run(PARAMS.model_copy(update={"search_method": "faiss", "top_k": 1}), gallery, probes)
+    assert asked == [{"k": 1, "method": "faiss"}] and summary["method"] == "faiss"
+    assert [[m["identity"] for m in r["matches"]] for r in summary["results"]] == [["alice"], ["alice"], ["bob"], ["carol.jpg"], ["carol.jpg"]]
