@@ -301,6 +301,18 @@ def test_the_default_device_is_asked_of_the_machine_and_the_runtime_gets_its_def
     assert detector.net.session.get_session_options().intra_op_num_threads == 0  # 0: one per core
 
 
+def test_the_torch_runtime_takes_the_threads_it_is_given(retinaface_onnx):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        detector = RetinaFaceDetector(device="cpu", runtime="torch", threads=2)
+        assert detector.runtime == "torch" and torch.get_num_threads() == 2
+        RetinaFaceDetector(device="cpu", runtime="torch")  # 0: torch's threads as they are
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_detector_loads_the_weights_and_cache_it_is_given(tmp_path, monkeypatch, retinaface_onnx):
     """``weights`` and ``cache`` reach the loader: a damaged .onnx is refused; with the installed
     package's file missing, the given cache is read, not the default one."""
