@@ -243,6 +243,23 @@ def test_torch_embedder_is_evaluates_embedding(model, raw, detector):
     assert runtime.embedder(ref, device="cpu")(faces[:0]).shape == (0, 0)
 
 
+def test_embedder_defaults_and_the_model_it_loads(monkeypatch):
+    """Without a device, batch size or flip: the CPU, batches of 64, flipped; the model (or session)
+    is asked for by file, sha256 and device (its cache key). Stubs: no model is loaded."""
+    loaded = []
+    monkeypatch.setattr(runtime, "_torch_model", lambda *args: loaded.append(("torch", *args)) or "model")
+    monkeypatch.setattr(runtime, "_onnx_session", lambda *args: loaded.append(("onnx", *args)) or "session")
+    ref = runtime.ModelRef("/m", "torch", "/m/weights.pt", "abc", SPEC)
+    made = runtime.embedder(ref)
+    assert made.func is runtime._embed_torch and made.args == ("model",)
+    mean, std = SPEC.normalization.mean, SPEC.normalization.std
+    assert made.keywords == {"mean": mean, "std": std, "flip": True, "batch_size": 64, "device": "cpu"}
+    made = runtime.embedder(runtime.ModelRef("/e", "onnx", "/e/backbone.onnx", "def", SPEC))
+    assert made.func is runtime._embed_onnx and made.args == ("session",)
+    assert made.keywords == {"mean": mean, "std": std, "flip": True, "batch_size": 64}
+    assert loaded == [("torch", "/m/weights.pt", "abc", "cpu", SPEC.model_dump_json()), ("onnx", "/e/backbone.onnx", "def", "cpu")]
+
+
 def test_one_thread_inside_the_block_restored_after():
     torch.set_num_threads(2)
     try:

@@ -136,6 +136,36 @@ def test_read_part_is_none_for_npy_bytes_that_hash_right_but_are_no_float_array(
     assert store.read_part(tmp_path, "part-00000") is None
 
 
+_UNPICKLED: list[str] = []
+
+
+def _record_unpickling(marker: str) -> str:
+    _UNPICKLED.append(marker)
+    return marker
+
+
+class _Payload:
+    """An object whose unpickling calls ``_record_unpickling``: what a crafted part could run."""
+
+    def __reduce__(self):
+        return _record_unpickling, ("ran",)
+
+
+def test_read_part_never_unpickles_a_crafted_npy(tmp_path):
+    (tmp_path / store.PARTS).mkdir()
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([_Payload()], dtype=object), allow_pickle=True)
+    data = buffer.getvalue()
+    (tmp_path / store.PARTS / "part-00000.npy").write_bytes(data)
+    header = {"part": "part-00000", "settings": "key", "faces": 0, "embeddings_sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / store.PARTS / "part-00000.jsonl").write_text(json.dumps(header) + "\n")
+    _UNPICKLED.clear()
+    assert store.read_part(tmp_path, "part-00000") is None
+    assert _UNPICKLED == []
+    np.load(io.BytesIO(data), allow_pickle=True)  # the payload does run when unpickled: the check above can fail
+    assert _UNPICKLED == ["ran"]
+
+
 def test_index_lines_one_per_face_in_row_order():
     two = {"path": "ann/1.jpg", "sha256": "h1", "faces": [{"box": [1], "landmarks": [[2]], "score": 0.5}, {"box": [3], "landmarks": [[4]], "score": 0.25}]}
     top = {"path": "2.jpg", "sha256": "h2", "faces": [{"box": [5], "landmarks": [[6]], "score": 0.75}]}
