@@ -215,6 +215,27 @@ def write_manifest(folder: Path, content) -> Path:
     return folder
 
 
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as the default text encoding of ``open`` in this process (as under ``LANG=C``
+    with UTF-8 mode off, tests/test_locale.py), restored after: every file must name its encoding."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_read_manifest_reads_utf8_whatever_the_locale(tmp_path, ascii_locale):
+    manifest = {"format": "facepipe-embeddings", "version": 1, "parts": [], "raw": "/photos/José"}
+    (tmp_path / "embed.json").write_bytes(dumps(manifest).encode("utf-8"))
+    assert store.read_manifest(tmp_path) == manifest
+
+
 def test_read_manifest(tmp_path):
     good = {"format": "facepipe-embeddings", "version": 1, "parts": []}
     assert store.read_manifest(str(write_manifest(tmp_path / "good", good))) == good
