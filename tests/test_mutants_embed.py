@@ -343,6 +343,12 @@ def test_onnx_embedder_equals_the_torch_one(model, exported):
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
 
 
+def test_onnx_embedder_of_no_faces_is_an_empty_float32_matrix():
+    session = types.SimpleNamespace(get_inputs=lambda: [types.SimpleNamespace(name="input")])  # never run
+    empty = runtime._embed_onnx(session, np.zeros((0, 32, 32, 3), np.uint8), mean=127.5, std=127.5, flip=True, batch_size=2)
+    assert empty.shape == (0, 0) and empty.dtype == np.float32
+
+
 def test_onnx_on_cuda_needs_onnxruntime_gpu(exported):
     import onnxruntime
 
