@@ -136,6 +136,19 @@ def test_read_part_is_none_for_npy_bytes_that_hash_right_but_are_no_float_array(
     assert store.read_part(tmp_path, "part-00000") is None
 
 
+@pytest.mark.parametrize("array", [np.zeros((1, 4), np.float64), np.zeros(4, np.float32), np.zeros((1, 1, 4), np.float32)])
+def test_read_part_is_none_for_an_npy_of_another_dtype_or_shape(tmp_path, array):
+    """Hashing right, a plain array, but not float32 [faces, E]: either is enough to refuse it."""
+    (tmp_path / store.PARTS).mkdir()
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    data = buffer.getvalue()
+    (tmp_path / store.PARTS / "part-00000.npy").write_bytes(data)
+    header = {"part": "part-00000", "settings": "key", "faces": 1, "embeddings_sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / store.PARTS / "part-00000.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(photo("a/1.jpg")) + "\n")
+    assert store.read_part(tmp_path, "part-00000") is None
+
+
 _UNPICKLED: list[str] = []
 
 
