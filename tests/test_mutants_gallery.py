@@ -500,6 +500,23 @@ def test_resolve_an_export_folder(tmp_path):
     assert resolve_model(str(folder), "onnx") == ModelRef(str(tmp_path.resolve()), "onnx", str((tmp_path / "backbone.onnx").resolve()), digest, SPEC)
 
 
+def test_model_and_export_folders_resolve_whatever_the_locale(model_dir, tmp_path, ascii_locale):
+    """model.json and export.json are UTF-8 (manifest.dumps keeps non-ASCII): read as such under LANG=C too."""
+    spec = SPEC.model_copy(update={"faces": {"detector_weights": "/models/José/retinaface.onnx"}})
+    weights = (model_dir / "backbone.pt").read_bytes()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "backbone.pt").write_bytes(weights)
+    write_model_spec(folder, spec, weights_sha256=hashlib.sha256(weights).hexdigest())
+    assert "José".encode() in (folder / "model.json").read_bytes()
+    assert resolve_model(folder, "torch").spec == spec
+    (tmp_path / "export" / "backbone.onnx").parent.mkdir()
+    (tmp_path / "export" / "backbone.onnx").write_bytes(b"onnx")
+    report = {"model": spec.model_dump(mode="json"), "files": {"onnx": {"file": "backbone.onnx", "sha256": hashlib.sha256(b"onnx").hexdigest()}}}
+    (tmp_path / "export" / EXPORT_REPORT).write_bytes(dumps(report).encode("utf-8"))
+    assert resolve_model(tmp_path / "export", "onnx").spec == spec
+
+
 @pytest.mark.parametrize(
     ("report", "why"),
     [
