@@ -31,7 +31,7 @@ from facepipe.io.manifest import dumps, recorded_params
 from facepipe.io.model_dir import ModelSpec, load_backbone, save_model_dir
 from facepipe.io.records import decode_image
 from facepipe.models import create_backbone
-from facepipe.stages import compare, embed
+from facepipe.stages import compare, embed, search
 
 FACES = PrepareParams(image_size=32, min_face_size=20, chunk_size=2, score_threshold=0.9)
 SPEC = ModelSpec(backbone="mobilefacenet", embedding_size=8, image_size=32, faces=recorded_params(FACES))
@@ -659,3 +659,90 @@ def test_compare_refusals(raw, model, detector, tmp_path):
         compare.run(EMBED.model_copy(update={"runtime": "onnx"}), a, a, model)
     with pytest.raises(FacepipeError, match="not a thresholds.json"):
         compare.run(EMBED, a, a, model, thresholds=tmp_path / "none.json")
+
+
+
+def test_compare_embeds_one_face_a_photo_with_the_params(raw, model, detector, monkeypatch):
+    calls = []
+    real = compare.embed_files
+    monkeypatch.setattr(compare, "embed_files", lambda files, work: calls.append((files, work)) or real(files, work))
+    a, b = raw / "ann" / "2.png", raw / "top.png"
+    result = compare.run(EMBED.model_copy(update={"batch_size": 3, "flip": False}), a, b, model)
+    assert calls == [([a, b], embed.Work("", FACES, resolve_model(model, "torch"), "cpu", False, 3, False))]
+    assert result["a"]["box"] == [5.0, 5.0, 75.0, 75.0]  # the photo's best face of two
+
+# --- search with photos as probes -----------------------------------------------------------------------
+
+
+def _spies(monkeypatch: pytest.MonkeyPatch) -> list:
+    """search's embedders and resolve_model recorded (and run)."""
+    calls = []
+    for name in ("embed_chunks", "embed_files", "resolve_model"):
+        real = getattr(search, name)
+        monkeypatch.setattr(search, name, lambda *args, _real=real, _name=name: calls.append((_name, *args)) or _real(*args))
+    return calls
+
+
+def test_search_embeds_photo_probes_with_the_gallerys_model_and_settings(raw, model, detector, tmp_path, monkeypatch, caplog):
+    gallery = tmp_path / "gallery"
+    embed.run(EMBED, raw, model, gallery, workers=1, progress=False)
+    calls = _spies(monkeypatch)
+    caplog.set_level(logging.WARNING, logger="facepipe.search")
+    params = EMBED.model_copy(update={"flip": False, "batch_size": 5, "top_k": 2, "search_method": "exact"})
+    summary = search.run(params, gallery, raw, model=str(model))
+    ref = resolve_model(model, "torch")
+    work = embed.Work(str(raw), FACES, ref, "cpu", True, 2, False)  # the gallery's flip and batch size, not the params'
+    assert calls == [("resolve_model", str(model), "torch"), ("embed_chunks", [["ann/1.png", "ann/2.png"], ["bob/1.png", "bob/2.jpg"], ["bob/3.png", "top.png"]], work)]
+    assert [r.getMessage() for r in caplog.records] == [
+        "search: probe bob/1.png has no usable face (no_face: detector found no face)",
+        "search: probe bob/2.jpg has no usable face (empty_file: 0 bytes)",
+        "search: probe bob/3.png has no usable face (face_too_small: largest face 10px < min_face_size=20)",
+    ]
+    assert [(r["probe"], r["face"], r["identity"], r["box"], [m["path"] for m in r["matches"]]) for r in summary["results"]] == [
+        ("ann/1.png", 0, "ann", [10.0, 10.0, 70.0, 70.0], ["ann/1.png", "top.png"]),
+        ("ann/2.png", 0, "ann", [5.0, 5.0, 75.0, 75.0], ["ann/2.png", "top.png"]),
+        ("top.png", 0, None, [30.0, 4.0, 80.0, 54.0], ["top.png", "ann/1.png"]),
+    ]  # fmt: skip
+    assert all(r["matches"][0]["score"] == 1.0 for r in summary["results"])  # each photo finds itself
+    assert (summary["probes"], summary["top1_correct"], summary["top1_checked"]) == (3, 2, 2)
+    # all faces from the params; another model file refused whole
+    calls.clear()
+    every = search.run(params.model_copy(update={"all_faces": True}), gallery, raw, model=model)
+    assert calls[1][2] == embed.Work(str(raw), FACES, ref, "cpu", True, 2, True)
+    assert [(r["probe"], r["face"]) for r in every["results"]] == [("ann/1.png", 0), ("ann/2.png", 0), ("ann/2.png", 1), ("top.png", 0)]
+    other = types.SimpleNamespace(sha256="f" * 64)
+    monkeypatch.setattr(search, "resolve_model", lambda *args: other)
+    with pytest.raises(FacepipeError) as error:
+        search.run(params, gallery, raw, model=model)
+    assert str(error.value) == f"{model} is not the model the gallery was embedded with (backbone.pt, sha256 {ref.sha256[:12]})"
+
+
+def test_search_embeds_one_photo_or_refuses_a_folder_without_any(raw, model, detector, tmp_path, monkeypatch, caplog):
+    gallery = tmp_path / "gallery"
+    embed.run(EMBED, raw, model, gallery, workers=1, progress=False)
+    calls = _spies(monkeypatch)
+    params = EMBED.model_copy(update={"top_k": 1, "search_method": "exact"})
+    photo = raw / "ann" / "2.png"
+    summary = search.run(params, gallery, photo, model=model)
+    assert calls[1] == ("embed_files", [photo], embed.Work(str(photo), FACES, resolve_model(model, "torch"), "cpu", True, 2, False))
+    assert [(r["probe"], r["face"], r["identity"], [m["path"] for m in r["matches"]]) for r in summary["results"]] == [("2.png", 0, None, ["ann/2.png"])]
+    probes = search._embed_photos(photo, calls[1][2])
+    assert (probes.raw, [r["path"] for r in probes.rows], probes.matrix.shape) == (raw / "ann", ["2.png"], (1, 8))
+    caplog.set_level(logging.WARNING, logger="facepipe.search")
+    none = search._embed_photos(raw / "bob" / "1.png", calls[1][2])
+    assert (none.rows, none.matrix.shape, none.matrix.dtype, none.raw) == ([], (0, 8), np.float32, raw / "bob")
+    assert [r.getMessage() for r in caplog.records] == ["search: probe 1.png has no usable face (no_face: detector found no face)"]
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "notes.txt").write_text("")
+    with pytest.raises(FacepipeError) as error:
+        search.run(params, gallery, tmp_path / "text", model=model)
+    assert str(error.value) == f"no images found under {tmp_path / 'text'}"
+    with pytest.raises(FacepipeError, match=r"^prepare.min_face_size is 30 in the params given"):
+        search.run(params, gallery, photo, model=model, faces_params=FACES.model_copy(update={"min_face_size": 30}))
+    links = tmp_path / "links"
+    (links / "ann").mkdir(parents=True)
+    os.symlink(raw / "ann" / "1.png", links / "ann" / "1.png")
+    followed = search.run(params, gallery, links, model=model, faces_params=FACES.model_copy(update={"follow_symlinks": True}))
+    assert [r["probe"] for r in followed["results"]] == ["ann/1.png"]
+    with pytest.raises(FacepipeError, match="^no images found under"):
+        search.run(params, gallery, links, model=model)

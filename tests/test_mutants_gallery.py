@@ -716,6 +716,26 @@ def test_read_thresholds_of_a_missing_file(tmp_path):
     assert str(error.value) == f"{tmp_path / 'none.json'}: not a thresholds.json of facepipe evaluate ([Errno 2] No such file or directory: '{tmp_path / 'none.json'}')"
 
 
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as ``open``'s default text encoding in this process (as under ``LANG=C`` with
+    UTF-8 mode off, tests/test_locale.py), restored after."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_read_thresholds_reads_utf8_under_the_ascii_locale(tmp_path, ascii_locale):
+    path = thresholds_file(tmp_path, '{"thresholds": {"1e-3": null}, "measured_on": {"num_different": "zwölf"}}')
+    assert compare.read_thresholds(path, None)[2] == f"{path} has no threshold at any of its false accept rates: zwölf different pairs are too few to measure it"
+
+
 def test_compare_summary_line():
     result = {"score": 0.71234, "threshold": 0.31416, "far": 1e-3, "same": True, "why": None}
     assert compare.summary_line(result) == "compare: score 0.7123 >= 0.3142 (threshold at FAR 0.001): same person"

@@ -345,3 +345,70 @@ def test_a_thumbnail_of_exactly_max_thumbnail_bytes_is_inlined():
     at = b"\xff\xd8" + b"x" * (MAX_THUMBNAIL_BYTES - 2)
     assert _picture(at, alt="a") == img_tag(at, alt="a")
     assert _picture(at + b"x", alt="a") == "<div class=\"none\">thumbnail over 24 KiB, not inlined</div>"
+
+
+def test_the_table_shows_the_first_50_probes_by_default():
+    results = [{"probe": f"p{i}.jpg", "face": 0, "matches": [{"identity": "a", "score": 0.5}]} for i in range(51)]
+    lines = search.table({"results": results}).splitlines()
+    assert lines[49:] == ["p49.jpg: a 0.500", "... 1 more (--jsonl FILE writes them all)"]
+
+
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as ``open``'s default text encoding in this process (as under ``LANG=C`` with
+    UTF-8 mode off, tests/test_locale.py), restored after."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_the_photos_of_an_embedding_folder_read_as_utf8_under_the_ascii_locale(tmp_path, ascii_locale):
+    raw, folder = tmp_path / "José", tmp_path / "folder"
+    raw.mkdir()
+    folder.mkdir()
+    (folder / store.REPORT).write_text(json.dumps({"raw": str(raw)}, ensure_ascii=False), encoding="utf-8")
+    assert search._photos_of(folder) == raw
+
+
+def test_the_page_names_each_face_and_cuts_no_probe_from_the_working_folder(tmp_path, monkeypatch):
+    raw = tmp_path / "raw"
+    for name in ("alice/1.jpg", "bob/1.jpg"):
+        _photo(raw / name)
+    gallery = _folder(tmp_path / "gallery", [("alice/1.jpg", [_unit(1, 0, 0)]), ("bob/1.jpg", [_unit(0, 1, 0)])], raw=raw)
+    probes = _folder(tmp_path / "probes", [("alice/1.jpg", [_unit(1, 0.1, 0), _unit(0.1, 1, 0)])])  # no report.json: photos unknown
+    monkeypatch.chdir(raw)  # the probe's scan path names a photo here, which is not the probes' photo
+    search.run(PARAMS, gallery, probes, html=tmp_path / "page.html")
+    text = (tmp_path / "page.html").read_text(encoding="utf-8")
+    assert ">alice/1.jpg<br>identity: alice<" in text and ">alice/1.jpg#1<br>identity: alice<" in text
+    assert text.count("<img") == 4 and text.count("no thumbnail") == 2  # the matches' thumbnails; placeholders for the probes
+    assert "same identity when" not in text
+    (gallery / store.REPORT).unlink()  # the gallery's photos unknown too: no thumbnail at all
+    (tmp_path / "thresholds.json").write_text(json.dumps({"thresholds": {"0.01": 0.5}}), encoding="utf-8")
+    search.run(PARAMS, gallery, probes, html=tmp_path / "page.html", thresholds=tmp_path / "thresholds.json")
+    text = (tmp_path / "page.html").read_text(encoding="utf-8")
+    assert text.count("<img") == 0 and text.count("no thumbnail") == 6
+    assert "same identity when the score is at least 0.500, different below." in text
+    search.run(PARAMS, gallery, probes, html=tmp_path / "page.html", gallery_raw=str(raw))  # named: the matches' thumbnails again
+    assert (tmp_path / "page.html").read_text(encoding="utf-8").count("<img") == 4
+
+
+def test_search_asks_the_gallery_for_the_params_top_k_and_method(gallery, probes, monkeypatch):
+    from facepipe.gallery.search import Gallery
+
+    asked = []
+
+    class Recording(Gallery):
+        def search(self, probes, **kwargs):
+            asked.append(kwargs)
+            return super().search(probes, **kwargs)
+
+    monkeypatch.setattr(search, "Gallery", Recording)
+    summary = search.run(PARAMS.model_copy(update={"search_method": "faiss", "top_k": 1}), gallery, probes)
+    assert asked == [{"k": 1, "method": "faiss"}] and summary["method"] == "faiss"
+    assert [[m["identity"] for m in r["matches"]] for r in summary["results"]] == [["alice"], ["alice"], ["bob"], ["carol.jpg"], ["carol.jpg"]]

