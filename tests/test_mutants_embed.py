@@ -243,6 +243,59 @@ def test_torch_embedder_is_evaluates_embedding(model, raw, detector):
     assert runtime.embedder(ref, device="cpu")(faces[:0]).shape == (0, 0)
 
 
+def test_embedder_defaults_and_the_model_it_loads(monkeypatch):
+    """Without a device, batch size or flip: the CPU, batches of 64, flipped; the model (or session)
+    is asked for by file, sha256 and device (its cache key). Stubs: no model is loaded."""
+    loaded = []
+    monkeypatch.setattr(runtime, "_torch_model", lambda *args: loaded.append(("torch", *args)) or "model")
+    monkeypatch.setattr(runtime, "_onnx_session", lambda *args: loaded.append(("onnx", *args)) or "session")
+    ref = runtime.ModelRef("/m", "torch", "/m/weights.pt", "abc", SPEC)
+    made = runtime.embedder(ref)
+    assert made.func is runtime._embed_torch and made.args == ("model",)
+    mean, std = SPEC.normalization.mean, SPEC.normalization.std
+    assert made.keywords == {"mean": mean, "std": std, "flip": True, "batch_size": 64, "device": "cpu"}
+    made = runtime.embedder(runtime.ModelRef("/e", "onnx", "/e/backbone.onnx", "def", SPEC))
+    assert made.func is runtime._embed_onnx and made.args == ("session",)
+    assert made.keywords == {"mean": mean, "std": std, "flip": True, "batch_size": 64}
+    assert loaded == [("torch", "/m/weights.pt", "abc", "cpu", SPEC.model_dump_json()), ("onnx", "/e/backbone.onnx", "def", "cpu")]
+
+
+class Recording(torch.nn.Module):
+    """A stand-in model: each face's per-channel mean, the shape of every batch it is given recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def forward(self, x):
+        self.shapes.append(tuple(x.shape))
+        return x.mean(dim=(2, 3))
+
+
+def test_torch_embedder_runs_batches_of_batch_size_and_gives_float32_even_for_no_faces():
+    model = Recording()
+    faces = np.stack([noise(4, 4, seed) for seed in range(5)])
+    embedded = runtime._embed_torch(model, faces, mean=127.5, std=127.5, flip=False, batch_size=2, device="cpu")
+    assert model.shapes == [(2, 3, 4, 4), (2, 3, 4, 4), (1, 3, 4, 4)]
+    expected = torch.nn.functional.normalize(torch.from_numpy(faces).permute(0, 3, 1, 2).float().div(127.5).sub(1).mean(dim=(2, 3)), dim=1)
+    assert embedded.dtype == np.float32 and np.abs(embedded - expected.numpy()).max() <= 1e-6
+    empty = runtime._embed_torch(model, faces[:0], mean=127.5, std=127.5, flip=True, batch_size=2, device="cpu")
+    assert empty.shape == (0, 0) and empty.dtype == np.float32 and len(model.shapes) == 3
+
+
+def test_torch_embedder_hands_evaluate_its_arguments_and_shows_no_progress(monkeypatch):
+    from facepipe.evaluation import embed as evaluation_embed
+
+    calls = []
+    monkeypatch.setattr(evaluation_embed, "embed_images", lambda model, images, **kwargs: calls.append((model, images, kwargs)) or "rows")
+    faces = np.stack([noise(4, 4, seed) for seed in range(3)])
+    assert runtime._embed_torch("model", faces, mean=100.0, std=50.0, flip=False, batch_size=2, device="cuda:1") == "rows"
+    [(model, images, kwargs)] = calls
+    assert model == "model" and len(images) == 3 and all(np.array_equal(a, b) for a, b in zip(images, faces))
+    assert not kwargs.pop("progress", True)  # embed_images' own progress is off: embed shows the run's
+    assert kwargs == {"count": 3, "batch_size": 2, "flip": False, "device": "cuda:1", "normalization": (100.0, 50.0)}
+
+
 def test_one_thread_inside_the_block_restored_after():
     torch.set_num_threads(2)
     try:
@@ -288,6 +341,12 @@ def test_onnx_embedder_equals_the_torch_one(model, exported):
     assert session.get_providers() == ["CPUExecutionProvider"]
     options = session.get_session_options()
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)
+
+
+def test_onnx_embedder_of_no_faces_is_an_empty_float32_matrix():
+    session = types.SimpleNamespace(get_inputs=lambda: [types.SimpleNamespace(name="input")])  # never run
+    empty = runtime._embed_onnx(session, np.zeros((0, 32, 32, 3), np.uint8), mean=127.5, std=127.5, flip=True, batch_size=2)
+    assert empty.shape == (0, 0) and empty.dtype == np.float32
 
 
 def test_onnx_on_cuda_needs_onnxruntime_gpu(exported):

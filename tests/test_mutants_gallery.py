@@ -136,6 +136,49 @@ def test_read_part_is_none_for_npy_bytes_that_hash_right_but_are_no_float_array(
     assert store.read_part(tmp_path, "part-00000") is None
 
 
+@pytest.mark.parametrize("array", [np.zeros((1, 4), np.float64), np.zeros(4, np.float32), np.zeros((1, 1, 4), np.float32)])
+def test_read_part_is_none_for_an_npy_of_another_dtype_or_shape(tmp_path, array):
+    """Hashing right, a plain array, but not float32 [faces, E]: either is enough to refuse it."""
+    (tmp_path / store.PARTS).mkdir()
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    data = buffer.getvalue()
+    (tmp_path / store.PARTS / "part-00000.npy").write_bytes(data)
+    header = {"part": "part-00000", "settings": "key", "faces": 1, "embeddings_sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / store.PARTS / "part-00000.jsonl").write_text(json.dumps(header) + "\n" + json.dumps(photo("a/1.jpg")) + "\n")
+    assert store.read_part(tmp_path, "part-00000") is None
+
+
+_UNPICKLED: list[str] = []
+
+
+def _record_unpickling(marker: str) -> str:
+    _UNPICKLED.append(marker)
+    return marker
+
+
+class _Payload:
+    """An object whose unpickling calls ``_record_unpickling``: what a crafted part could run."""
+
+    def __reduce__(self):
+        return _record_unpickling, ("ran",)
+
+
+def test_read_part_never_unpickles_a_crafted_npy(tmp_path):
+    (tmp_path / store.PARTS).mkdir()
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([_Payload()], dtype=object), allow_pickle=True)
+    data = buffer.getvalue()
+    (tmp_path / store.PARTS / "part-00000.npy").write_bytes(data)
+    header = {"part": "part-00000", "settings": "key", "faces": 0, "embeddings_sha256": hashlib.sha256(data).hexdigest()}
+    (tmp_path / store.PARTS / "part-00000.jsonl").write_text(json.dumps(header) + "\n")
+    _UNPICKLED.clear()
+    assert store.read_part(tmp_path, "part-00000") is None
+    assert _UNPICKLED == []
+    np.load(io.BytesIO(data), allow_pickle=True)  # the payload does run when unpickled: the check above can fail
+    assert _UNPICKLED == ["ran"]
+
+
 def test_index_lines_one_per_face_in_row_order():
     two = {"path": "ann/1.jpg", "sha256": "h1", "faces": [{"box": [1], "landmarks": [[2]], "score": 0.5}, {"box": [3], "landmarks": [[4]], "score": 0.25}]}
     top = {"path": "2.jpg", "sha256": "h2", "faces": [{"box": [5], "landmarks": [[6]], "score": 0.75}]}
@@ -183,6 +226,27 @@ def write_manifest(folder: Path, content) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "embed.json").write_text(content if isinstance(content, str) else json.dumps(content), encoding="utf-8")
     return folder
+
+
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as the default text encoding of ``open`` in this process (as under ``LANG=C``
+    with UTF-8 mode off, tests/test_locale.py), restored after: every file must name its encoding."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)
+
+
+def test_read_manifest_reads_utf8_whatever_the_locale(tmp_path, ascii_locale):
+    manifest = {"format": "facepipe-embeddings", "version": 1, "parts": [], "raw": "/photos/José"}
+    (tmp_path / "embed.json").write_bytes(dumps(manifest).encode("utf-8"))
+    assert store.read_manifest(tmp_path) == manifest
 
 
 def test_read_manifest(tmp_path):
@@ -434,6 +498,23 @@ def test_resolve_an_export_folder(tmp_path):
     digest = hashlib.sha256(b"onnx").hexdigest()
     folder = export_folder(tmp_path, {"model": SPEC.model_dump(mode="json"), "files": {"onnx": {"file": "backbone.onnx", "sha256": digest}}})
     assert resolve_model(str(folder), "onnx") == ModelRef(str(tmp_path.resolve()), "onnx", str((tmp_path / "backbone.onnx").resolve()), digest, SPEC)
+
+
+def test_model_and_export_folders_resolve_whatever_the_locale(model_dir, tmp_path, ascii_locale):
+    """model.json and export.json are UTF-8 (manifest.dumps keeps non-ASCII): read as such under LANG=C too."""
+    spec = SPEC.model_copy(update={"faces": {"detector_weights": "/models/José/retinaface.onnx"}})
+    weights = (model_dir / "backbone.pt").read_bytes()
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "backbone.pt").write_bytes(weights)
+    write_model_spec(folder, spec, weights_sha256=hashlib.sha256(weights).hexdigest())
+    assert "José".encode() in (folder / "model.json").read_bytes()
+    assert resolve_model(folder, "torch").spec == spec
+    (tmp_path / "export" / "backbone.onnx").parent.mkdir()
+    (tmp_path / "export" / "backbone.onnx").write_bytes(b"onnx")
+    report = {"model": spec.model_dump(mode="json"), "files": {"onnx": {"file": "backbone.onnx", "sha256": hashlib.sha256(b"onnx").hexdigest()}}}
+    (tmp_path / "export" / EXPORT_REPORT).write_bytes(dumps(report).encode("utf-8"))
+    assert resolve_model(tmp_path / "export", "onnx").spec == spec
 
 
 @pytest.mark.parametrize(

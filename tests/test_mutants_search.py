@@ -316,6 +316,37 @@ def test_gallery_search_defaults_top5_auto():
     assert [m.identity for m in gallery.search(np.eye(7, dtype=np.float32)[:1])[0]] == ["a", "b", "c", "d", "e"]
 
 
+def test_a_probe_row_whole_with_and_without_a_threshold():
+    from facepipe.gallery.page import MAX_MATCHES, MatchView, ProbeView, _probe
+
+    assert MAX_MATCHES == 10
+    matches = (MatchView("bob", 0.5), MatchView("ann", 0.25), *(MatchView(f"m{i}", 0.125) for i in range(9)))
+    none = "<div class=\"none\">no thumbnail</div>"
+
+    def figure(kind: str, identity: str, score: str, mark: str = "") -> str:
+        return f"<figure class=\"{kind}\">{none}<figcaption>{identity}<br>{score}{mark}</figcaption></figure>"
+
+    same, different = " <span class=\"mark same\">same</span>", " <span class=\"mark different\">different</span>"
+    head = f"<div class=\"probe\"><figure>{none}<figcaption>p.jpg<br>identity: ann</figcaption></figure>"
+    # the top-1 (bob) is wrong, the truth (ann) second, 11 matches: the first 10 drawn, 1 left out
+    row = _probe(ProbeView("p.jpg", "ann", None, matches), 0.25)
+    expected = figure("wrong", "bob", "0.500", same) + figure("truth", "ann", "0.250", same)
+    expected += "".join(figure("match", f"m{i}", "0.125", different) for i in range(8))
+    assert row == head + expected + "<p class=\"note\">1 more matches not shown</p></div>"
+    # exactly MAX_MATCHES matches: no note; no threshold: no marks
+    row = _probe(ProbeView("p.jpg", "ann", None, matches[:10]), None)
+    expected = figure("wrong", "bob", "0.500") + figure("truth", "ann", "0.250") + "".join(figure("match", f"m{i}", "0.125") for i in range(8))
+    assert row == head + expected + "</div>"
+
+
+def test_a_thumbnail_of_exactly_max_thumbnail_bytes_is_inlined():
+    from facepipe.gallery.page import MAX_THUMBNAIL_BYTES, _picture
+
+    at = b"\xff\xd8" + b"x" * (MAX_THUMBNAIL_BYTES - 2)
+    assert _picture(at, alt="a") == img_tag(at, alt="a")
+    assert _picture(at + b"x", alt="a") == "<div class=\"none\">thumbnail over 24 KiB, not inlined</div>"
+
+
 def test_the_table_shows_the_first_50_probes_by_default():
     results = [{"probe": f"p{i}.jpg", "face": 0, "matches": [{"identity": "a", "score": 0.5}]} for i in range(51)]
     lines = search.table({"results": results}).splitlines()
