@@ -197,3 +197,18 @@ def test_a_damaged_jpeg_leaves_the_fast_path_to_pillow(damage):
         assert (info.value.reason, info.value.detail) == (reject.reason, reject.detail)
     else:
         np.testing.assert_array_equal(load_image(broken, max_pixels=10**7), expected.image)
+
+
+def test_a_header_that_does_not_open_is_a_reject_naming_the_problem():
+    """open_image's three rejects, reason and detail whole (the detail is what rejects.jsonl shows)."""
+    from facepipe.data.decode import open_image
+
+    cases = [
+        (b"", "empty_file", "0 bytes"),
+        (b"plain text, no image", "not_an_image", "no known image format"),
+        (b"BM" + bytes(20), "unreadable", "OSError: Unsupported BMP header type (0)"),
+    ]
+    for data, reason, detail in cases:
+        with pytest.raises(Reject) as info:
+            open_image(data)
+        assert (info.value.reason, info.value.detail) == (reason, detail)
