@@ -550,6 +550,19 @@ def test_write_new_part_of_a_file_gone_since_the_scan(model, tmp_path):
     embed._write_new_part(tmp_path, "part-00000", [{"path": "a/1.png", "sha256": "x", "reason": "io_error", "detail": ""}], [], work, "key", {})
     part = store.read_part(tmp_path, "part-00000")
     assert part.files[0]["size"] is None and part.files[0]["mtime_ns"] is None and part.embeddings.shape == (0, 8)
+    assert part.header["settings"] == "key"  # what the next run's resume compares
+
+
+def test_rewrite_copies_the_rows_of_the_photos_kept(tmp_path):
+    (tmp_path / "parts").mkdir()
+    box = {"box": [0, 0, 1, 1], "landmarks": [], "score": 1.0}
+    lines = [{"path": f"a/{i}.png", "sha256": "x", "faces": [box] * n, "size": 1, "mtime_ns": 1} for i, n in enumerate((2, 1, 0, 2))]
+    store.write_part(tmp_path, "part-00000", "key", lines, np.arange(40, dtype=np.float32).reshape(5, 8))
+    old = store.read_part(tmp_path, "part-00000")
+    embed._rewrite(tmp_path, "part-00001", old, [lines[2], lines[3]], "key")
+    part = store.read_part(tmp_path, "part-00001")
+    assert (part.header["settings"], part.files) == ("key", [lines[2], lines[3]])
+    assert np.array_equal(part.embeddings, old.embeddings[3:])  # rows 3 and 4: after the 2 + 1 faces dropped
 
 
 def test_a_part_records_the_stats_the_scan_saw_not_those_after_the_read(model, tmp_path):
