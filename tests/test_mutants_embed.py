@@ -423,6 +423,18 @@ def test_embed_at_a_scheduler_address_keeps_two_chunks_a_worker_plus_one_in_flig
     assert asked == [(4, {"chunks": 3, "device": "cpu"})] and started[1][2] == {"workers": 2, "scheduler_address": None, "device": "cpu"}
 
 
+def test_a_part_of_several_chunks_is_written_once_when_its_last_chunk_is_back(raw, model, detector, tmp_path, monkeypatch):
+    written, write = [], embed._write_new_part
+    monkeypatch.setattr(embed, "_write_new_part", lambda out, name, lines, *args: written.append((name, len(lines))) or write(out, name, lines, *args))
+    out = tmp_path / "out"
+    embed.run(EMBED.model_copy(update={"files_per_part": 4}), raw, model, out, workers=1, progress=False)  # chunks of 2 photos
+    assert written == [("part-00000", 4), ("part-00001", 2)]
+    manifest = json.loads((out / "embed.json").read_text())
+    assert [(p["name"], p["photos"], p["faces"]) for p in manifest["parts"]] == [("part-00000", 4, 2), ("part-00001", 2, 1)]
+    assert [store.read_part(out, p["name"]).header["settings"] for p in manifest["parts"]] == [manifest["settings"]] * 2
+    assert np.abs(store.load_embeddings(out).matrix - embedded_rows(model, raw, ["ann/1.png", "ann/2.png", "top.png"])).max() <= 1e-5
+
+
 def test_the_report_times_each_phase_to_the_millisecond(raw, model, detector, tmp_path, monkeypatch):
     ticks = iter([10.0, 10.00012, 10.5, 10.50034, 11.0, 11.7, 12.00091])
     monkeypatch.setattr(embed, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
