@@ -435,6 +435,22 @@ def test_a_part_of_several_chunks_is_written_once_when_its_last_chunk_is_back(ra
     assert np.abs(store.load_embeddings(out).matrix - embedded_rows(model, raw, ["ann/1.png", "ann/2.png", "top.png"])).max() <= 1e-5
 
 
+def test_a_run_after_a_killed_one_reuses_the_parts_it_wrote(raw, model, detector, tmp_path, caplog):
+    out = tmp_path / "out"
+    embed.run(EMBED, raw, model, out, workers=1, progress=False)
+    parts = {p.name: p.read_bytes() for p in (out / "parts").iterdir()}
+    for name in ("embed.json", "index.jsonl", "rejects.jsonl", "report.json"):  # killed before its commit
+        (out / name).unlink()
+    detector.calls.clear()
+    caplog.set_level(logging.INFO, logger="facepipe.embed")
+    report = embed.run(EMBED, raw, model, out, workers=1, progress=False)
+    assert report["files"] == {"reused": 0, "embedded": 0, "removed": 0} and detector.calls == []
+    assert [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()] == [
+        f"embed: part-0000{i} is complete from an interrupted run: reused" for i in range(3)
+    ]
+    assert {p.name: p.read_bytes() for p in (out / "parts").iterdir()} == parts and report["counts"]["faces"] == 3
+
+
 def test_the_report_times_each_phase_to_the_millisecond(raw, model, detector, tmp_path, monkeypatch):
     ticks = iter([10.0, 10.00012, 10.5, 10.50034, 11.0, 11.7, 12.00091])
     monkeypatch.setattr(embed, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
