@@ -479,6 +479,7 @@ def test_embed_again_reuses_and_updates(raw, model, detector, tmp_path, monkeypa
     assert report["files"] == {"reused": 4, "embedded": 1, "removed": 1}
     after = store.load_embeddings(out)
     assert [(p["name"], p["photos"]) for p in after.manifest["parts"]] == [("part-00003", 1), ("part-00001", 2), ("part-00004", 1), ("part-00005", 1)]
+    assert {store.read_part(out, p["name"]).header["settings"] for p in after.manifest["parts"]} == {after.manifest["settings"]}  # rewritten ones too
     assert [r["path"] for r in after.rows] == ["ann/2.png", "top.png"]
     assert np.array_equal(after.matrix[0], before.matrix[1])  # the kept row, not embedded again
     assert np.abs(after.matrix[1] - before.matrix[2]).max() <= 1e-6
