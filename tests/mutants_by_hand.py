@@ -39,7 +39,7 @@ def mutant_names(globs: list[str]) -> list[str]:
     return [name for name in names if any(fnmatch.fnmatchcase(name, glob) for glob in globs)]
 
 
-def run_group(name: str, files: list[str], *, timeout: float, log: Path) -> str:
+def run_group(name: str, files: list[str], *, timeout: float, log: Path, tb: str = "auto") -> str:
     pid = os.fork()
     if pid == 0:  # the child: one pytest session with the mutant switched on
         os.environ["MUTANT_UNDER_TEST"] = name
@@ -48,7 +48,7 @@ def run_group(name: str, files: list[str], *, timeout: float, log: Path) -> str:
         os.dup2(fd, 2)
         import pytest
 
-        args = ["-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "not slow and not multiprocess"]
+        args = ["-x", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-m", "not slow and not multiprocess", f"--tb={tb}"]
         code = pytest.main([*args, *files])
         os._exit(int(code))
     deadline = time.monotonic() + timeout
@@ -69,6 +69,11 @@ def main() -> None:
     parser.add_argument("--tests", action="append", required=True, help="a test group: files separated by commas")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--tb",
+        default="auto",
+        help="pytest's traceback style in the logs: 'line' skips parsing the mutated module (seconds a failure when it holds hundreds of mutants)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, os.getcwd())
     os.environ.pop("MUTANT_UNDER_TEST", None)
@@ -97,7 +102,7 @@ def main() -> None:
         log = logs / f"{name}.log"
         log.unlink(missing_ok=True)
         for group in args.tests:
-            outcome = run_group(name, group.split(","), timeout=args.timeout, log=log)
+            outcome = run_group(name, group.split(","), timeout=args.timeout, log=log, tb=args.tb)
             if outcome != "passed":
                 verdict = outcome
                 break

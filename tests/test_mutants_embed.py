@@ -21,7 +21,7 @@ from PIL import Image
 from facepipe.alignment import template
 from facepipe.config import EmbedParams, ExportParams, PrepareParams
 from facepipe.data import extract
-from facepipe.data.scan import scan_raw
+from facepipe.data.scan import ScanItem, file_stats, scan_raw
 from facepipe.detection.base import Face
 from facepipe.errors import FacepipeError
 from facepipe.evaluation.embed import embed_images
@@ -453,6 +453,71 @@ def test_embed_shows_its_progress_by_default(raw, model, detector, tmp_path, mon
     assert Bar.made == [[6, "embed", True, 2, 2, 2], [6, "embed", False, 2, 1, 2, 1]]
 
 
+def test_embed_at_a_scheduler_address_keeps_two_chunks_a_worker_plus_one_in_flight(raw, model, detector, tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from facepipe import cluster
+
+    started, windows, asked = [], [], []
+
+    @contextmanager
+    def runner(work, *args, **kwargs):
+        started.append((work, args, {k: v for k, v in kwargs.items() if k != "warm"}))
+        kwargs["warm"]()
+        yield (lambda chunk: cluster.done(work(chunk, *args))), 3
+
+    def ordered(submit, items, *, window):
+        windows.append(window)
+        return cluster.ordered_results(submit, items, window=window)
+
+    monkeypatch.setattr(embed, "chunk_runner", runner)
+    monkeypatch.setattr(embed, "ordered_results", ordered)
+    report = embed.run(EMBED, raw, model, tmp_path / "out", scheduler_address="tcp://s:1", progress=False)
+    assert (report["scheduler"], report["workers"], windows) == ("tcp://s:1", 3, [7])
+    ref = resolve_model(model, "torch")
+    assert started == [(embed.embed_chunks, (embed.Work(str(raw), FACES, ref, "cpu", True, 2, False),), {"workers": None, "scheduler_address": "tcp://s:1", "device": "cpu"})]
+    assert report["counts"] == {"scanned": 7, "photos": 3, "faces": 3, "rejected": 4}
+    monkeypatch.setattr(embed, "local_workers", lambda workers, **kwargs: asked.append((workers, kwargs)) or 2)
+    assert embed.run(EMBED, raw, model, tmp_path / "local", workers=4, progress=False)["scheduler"] == "local"
+    assert asked == [(4, {"chunks": 3, "device": "cpu"})] and started[1][2] == {"workers": 2, "scheduler_address": None, "device": "cpu"}
+
+
+def test_a_part_of_several_chunks_is_written_once_when_its_last_chunk_is_back(raw, model, detector, tmp_path, monkeypatch):
+    written, write = [], embed._write_new_part
+    monkeypatch.setattr(embed, "_write_new_part", lambda out, name, lines, *args: written.append((name, len(lines))) or write(out, name, lines, *args))
+    out = tmp_path / "out"
+    embed.run(EMBED.model_copy(update={"files_per_part": 4}), raw, model, out, workers=1, progress=False)  # chunks of 2 photos
+    assert written == [("part-00000", 4), ("part-00001", 2)]
+    manifest = json.loads((out / "embed.json").read_text())
+    assert [(p["name"], p["photos"], p["faces"]) for p in manifest["parts"]] == [("part-00000", 4, 2), ("part-00001", 2, 1)]
+    assert [store.read_part(out, p["name"]).header["settings"] for p in manifest["parts"]] == [manifest["settings"]] * 2
+    assert np.abs(store.load_embeddings(out).matrix - embedded_rows(model, raw, ["ann/1.png", "ann/2.png", "top.png"])).max() <= 1e-5
+
+
+def test_a_run_after_a_killed_one_reuses_the_parts_it_wrote(raw, model, detector, tmp_path, caplog):
+    out = tmp_path / "out"
+    embed.run(EMBED, raw, model, out, workers=1, progress=False)
+    parts = {p.name: p.read_bytes() for p in (out / "parts").iterdir()}
+    for name in ("embed.json", "index.jsonl", "rejects.jsonl", "report.json"):  # killed before its commit
+        (out / name).unlink()
+    detector.calls.clear()
+    caplog.set_level(logging.INFO, logger="facepipe.embed")
+    report = embed.run(EMBED, raw, model, out, workers=1, progress=False)
+    assert report["files"] == {"reused": 0, "embedded": 0, "removed": 0} and detector.calls == []
+    assert [r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()] == [
+        f"embed: part-0000{i} is complete from an interrupted run: reused" for i in range(3)
+    ]
+    assert {p.name: p.read_bytes() for p in (out / "parts").iterdir()} == parts and report["counts"]["faces"] == 3
+
+
+def test_the_report_times_each_phase_to_the_millisecond(raw, model, detector, tmp_path, monkeypatch):
+    ticks = iter([10.0, 10.00012, 10.5, 10.50034, 11.0, 11.7, 12.00091])
+    monkeypatch.setattr(embed, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    report = embed.run(EMBED, raw, model, tmp_path / "out", workers=1, progress=False)
+    assert report["timings_s"] == {"scan": 0.0, "startup": 0.0, "process": 0.7, "total": 2.001}
+    assert report["faces_per_s"] == 4.29  # 3 faces in 0.7 s
+
+
 def test_embed_again_reuses_and_updates(raw, model, detector, tmp_path, monkeypatch):
     import shutil
 
@@ -473,6 +538,7 @@ def test_embed_again_reuses_and_updates(raw, model, detector, tmp_path, monkeypa
     assert report["files"] == {"reused": 4, "embedded": 1, "removed": 1}
     after = store.load_embeddings(out)
     assert [(p["name"], p["photos"]) for p in after.manifest["parts"]] == [("part-00003", 1), ("part-00001", 2), ("part-00004", 1), ("part-00005", 1)]
+    assert {store.read_part(out, p["name"]).header["settings"] for p in after.manifest["parts"]} == {after.manifest["settings"]}  # rewritten ones too
     assert [r["path"] for r in after.rows] == ["ann/2.png", "top.png"]
     assert np.array_equal(after.matrix[0], before.matrix[1])  # the kept row, not embedded again
     assert np.abs(after.matrix[1] - before.matrix[2]).max() <= 1e-6
@@ -572,6 +638,19 @@ def test_write_new_part_of_a_file_gone_since_the_scan(model, tmp_path):
     embed._write_new_part(tmp_path, "part-00000", [{"path": "a/1.png", "sha256": "x", "reason": "io_error", "detail": ""}], [], work, "key", {})
     part = store.read_part(tmp_path, "part-00000")
     assert part.files[0]["size"] is None and part.files[0]["mtime_ns"] is None and part.embeddings.shape == (0, 8)
+    assert part.header["settings"] == "key"  # what the next run's resume compares
+
+
+def test_rewrite_copies_the_rows_of_the_photos_kept(tmp_path):
+    (tmp_path / "parts").mkdir()
+    box = {"box": [0, 0, 1, 1], "landmarks": [], "score": 1.0}
+    lines = [{"path": f"a/{i}.png", "sha256": "x", "faces": [box] * n, "size": 1, "mtime_ns": 1} for i, n in enumerate((2, 1, 0, 2))]
+    store.write_part(tmp_path, "part-00000", "key", lines, np.arange(40, dtype=np.float32).reshape(5, 8))
+    old = store.read_part(tmp_path, "part-00000")
+    embed._rewrite(tmp_path, "part-00001", old, [lines[2], lines[3]], "key")
+    part = store.read_part(tmp_path, "part-00001")
+    assert (part.header["settings"], part.files) == ("key", [lines[2], lines[3]])
+    assert np.array_equal(part.embeddings, old.embeddings[3:])  # rows 3 and 4: after the 2 + 1 faces dropped
 
 
 def test_a_part_records_the_stats_the_scan_saw_not_those_after_the_read(model, tmp_path):
@@ -605,6 +684,96 @@ def test_runner_and_warm_up(model, detector, monkeypatch):
         kwargs["warm"]()
     assert warmed == [((work.model,), {"device": "cpu", "flip": False, "batch_size": 3})] * 3
     assert detector.asked == [("retinaface", None, 20, 640, "cpu")] * 3
+
+
+def test_settings_key_is_the_sha256_of_every_setting_that_makes_rows(model, monkeypatch):
+    ref = resolve_model(model, "torch")
+    work = embed.Work("/raw", FACES, ref, "cpu", True, 2, False)
+    content = {
+        "model_sha256": ref.sha256, "runtime": "torch", "faces": FACES.model_dump(mode="json"), "flip": True,
+        "all_faces": False, "batch_size": 5, "device": "cpu",
+    }  # fmt: skip
+    assert embed.settings_key(work, 5) == hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    from facepipe import devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)  # cuda:1 and cuda:0 give the same rows
+    gpu = hashlib.sha256(json.dumps(content | {"device": "cuda"}, sort_keys=True).encode()).hexdigest()
+    assert embed.settings_key(embed.Work("/raw", FACES, ref, "cuda:1", True, 2, False), 5) == gpu
+
+
+def test_plan_parts_rewrites_reembeds_and_numbers_after_the_committed_parts(raw, model, detector, tmp_path, caplog):
+    out = tmp_path / "out"
+    embed.run(EMBED, raw, model, out, workers=1, progress=False)  # [ann/1, ann/2], [bob/1, bob/2.jpg], [bob/3, top]
+    items, settings = scan_raw(raw), json.loads((out / "embed.json").read_text())["settings"]
+    stats = file_stats(raw, items)
+    caplog.set_level(logging.WARNING, logger="facepipe.embed")
+    other = embed.plan_parts(out, items, stats, settings="other", files_per_part=4)
+    assert [(name, [i.path for i in source]) for name, source in other.parts] == [
+        ("part-00003", ["ann/1.png", "ann/2.png", "bob/1.png", "bob/2.jpg"]), ("part-00004", ["bob/3.png", "top.png"]),
+    ]  # fmt: skip
+    assert (other.reused, other.removed, other.old_parts) == (0, 0, {})
+    assert [r.getMessage() for r in caplog.records] == [f"embed: {out} was embedded with another model or settings: every photo is embedded again"]
+    caplog.clear()
+    (out / "parts" / "part-00001.npy").write_bytes(b"corrupt")
+    stats.pop("ann/2.png")  # removed
+    stats["bob/3.png"] = (stats["bob/3.png"][0] + 1, stats["bob/3.png"][1])  # changed
+    plan = embed.plan_parts(out, [i for i in items if i.path != "ann/2.png"], stats, settings=settings, files_per_part=2)
+    [(first, rewrite), (second, rewrite2), *new] = plan.parts
+    assert (first, rewrite.old, [line["path"] for line in rewrite.lines]) == ("part-00003", "part-00000", ["ann/1.png"])
+    assert (second, rewrite2.old, [line["path"] for line in rewrite2.lines]) == ("part-00004", "part-00002", ["top.png"])
+    assert [(name, [i.path for i in source]) for name, source in new] == [("part-00005", ["bob/1.png", "bob/2.jpg"]), ("part-00006", ["bob/3.png"])]
+    assert (plan.reused, plan.removed, sorted(plan.old_parts)) == (2, 1, ["part-00000", "part-00002"])
+    assert plan.old_parts["part-00002"].files == store.read_part(out, "part-00002").files
+    assert [r.getMessage() for r in caplog.records] == ["embed: part-00001 is missing or corrupt: its photos are embedded again"]
+
+
+def test_new_parts_start_at_0_after_a_folder_without_parts(raw, model, detector, tmp_path):
+    (tmp_path / "raw" / "a").mkdir(parents=True)
+    os.symlink(raw / "ann" / "1.png", tmp_path / "raw" / "a" / "1.png")  # the scan's reject: no part
+    embed.run(EMBED, tmp_path / "raw", model, tmp_path / "out", workers=1, progress=False)
+    manifest = json.loads((tmp_path / "out" / "embed.json").read_text())
+    assert manifest["parts"] == []
+    item = ScanItem("a/2.png", "a")
+    plan = embed.plan_parts(tmp_path / "out", [item], {"a/2.png": (1, 1)}, settings=manifest["settings"], files_per_part=2)
+    assert plan.parts == [("part-00000", [item])]
+
+
+def test_the_model_device_is_the_one_asked_for_and_a_bad_one_is_named_as_embed_device(monkeypatch):
+    from facepipe import devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    assert (embed._model_device("cuda:1"), embed._model_device("cpu"), embed._model_device("auto")) == ("cuda:1", "cpu", "cuda:0")
+    with pytest.raises(FacepipeError) as error:
+        embed._model_device("gpu")
+    assert str(error.value) == "embed.device: 'gpu' is not a device (auto, cpu, cuda or cuda:N)"
+
+
+def part_lines(*files: tuple[str, int | None, int | None]) -> list[dict]:
+    return [{"path": path, "sha256": "x", "reason": "no_face", "detail": "", "size": size, "mtime_ns": mtime} for path, size, mtime in files]
+
+
+def test_resume_skips_the_parts_an_interrupted_run_of_the_same_plan_wrote(tmp_path, caplog):
+    (tmp_path / "parts").mkdir()
+    empty = np.zeros((0, 8), np.float32)
+    stats = {"a/1.png": (1, 10), "a/2.png": (2, 20), "b/1.png": (3, 30), "c/1.png": (4, 40), "d/1.png": (5, 50)}
+    item = {path: ScanItem(path, path.split("/")[0]) for path in [*stats, "e/1.png"]}
+    store.write_part(tmp_path, "part-00001", "key", part_lines(("a/1.png", 1, 10), ("a/2.png", 2, 20)), empty)  # complete
+    store.write_part(tmp_path, "part-00003", "other", part_lines(("b/1.png", 3, 30)), empty)  # other settings
+    store.write_part(tmp_path, "part-00004", "key", part_lines(("c/1.png", 4, 41)), empty)  # the photo changed since
+    store.write_part(tmp_path, "part-00006", "key", part_lines(("e/1.png", None, None)), empty)  # a photo gone before its stat
+    store.write_part(tmp_path, "part-00007", "key", part_lines(("e/1.png", None, None)), empty)  # written for a photo since seen
+    plan = embed.Plan(parts=[
+        ("part-00000", "keep"), ("part-00001", [item["a/1.png"], item["a/2.png"]]), ("part-00002", embed.Rewrite("part-00000", [])),
+        ("part-00003", [item["b/1.png"]]), ("part-00004", [item["c/1.png"]]), ("part-00005", [item["d/1.png"]]),
+        ("part-00006", [item["e/1.png"]]), ("part-00007", [item["a/1.png"]]),
+    ])  # fmt: skip
+    caplog.set_level(logging.INFO, logger="facepipe.embed")
+    todo = embed._resume(tmp_path, plan, stats, settings="key")
+    assert todo == [("part-00003", [item["b/1.png"]]), ("part-00004", [item["c/1.png"]]), ("part-00005", [item["d/1.png"]]), ("part-00007", [item["a/1.png"]])]
+    assert [r.getMessage() for r in caplog.records if r.name == "facepipe.embed"] == [
+        "embed: part-00001 is complete from an interrupted run: reused", "embed: part-00006 is complete from an interrupted run: reused",
+    ]  # fmt: skip
+    assert embed._part_files([item["e/1.png"], item["a/2.png"]], stats) == [("e/1.png", None, None), ("a/2.png", 2, 20)]
 
 
 def test_embed_files_embeds_photos_anywhere(raw, model, detector, tmp_path):
