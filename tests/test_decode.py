@@ -212,3 +212,19 @@ def test_a_header_that_does_not_open_is_a_reject_naming_the_problem():
         with pytest.raises(Reject) as info:
             open_image(data)
         assert (info.value.reason, info.value.detail) == (reason, detail)
+
+
+def test_the_pixel_limit_is_inclusive_and_its_rejects_say_the_size():
+    from PIL import Image
+
+    from facepipe.data.decode import decode_opened, load_image_reduced
+
+    data = encoded(Image.new("RGB", (10, 10), (1, 2, 3)), "PNG")
+    assert load_image_reduced(data, max_pixels=100, longest=None).image.shape == (10, 10, 3)  # exactly the limit
+    with pytest.raises(Reject) as info:
+        load_image_reduced(data, max_pixels=99, longest=None)
+    assert (info.value.reason, info.value.detail) == ("too_many_pixels", "10x10 exceeds max_pixels=99")
+    for size in ((0, 5), (5, 0)):  # Pillow refuses such headers at open; a plugin that did not is caught here
+        with pytest.raises(Reject) as info:
+            decode_opened(b"", Image.new("RGB", size), max_pixels=100, longest=None)
+        assert (info.value.reason, info.value.detail) == ("unreadable", f"zero-sized image {size[0]}x{size[1]}")
