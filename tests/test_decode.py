@@ -228,3 +228,18 @@ def test_the_pixel_limit_is_inclusive_and_its_rejects_say_the_size():
         with pytest.raises(Reject) as info:
             decode_opened(b"", Image.new("RGB", size), max_pixels=100, longest=None)
         assert (info.value.reason, info.value.detail) == ("unreadable", f"zero-sized image {size[0]}x{size[1]}")
+
+
+def test_only_colour_and_grey_jpegs_take_the_direct_libjpeg_path(monkeypatch):
+    """The fast path is for what it decodes (JPEG, RGB or L); anything else goes to Pillow unasked."""
+    from PIL import Image
+
+    from facepipe.data import decode
+
+    asked, direct = [], decode._decode_jpeg
+    monkeypatch.setattr(decode, "_decode_jpeg", lambda data, pil, reduction: asked.append(pil.format) or direct(data, pil, reduction))
+    for fmt in ("PNG", "JPEG", "BMP"):
+        decode.load_image(encoded(Image.new("RGB", (40, 30), (9, 99, 199)), fmt), max_pixels=10**6)
+    decode.load_image(encoded(Image.new("L", (40, 30), 77), "JPEG"), max_pixels=10**6)
+    decode.load_image(encoded(Image.new("CMYK", (40, 30), (1, 2, 3, 4)), "JPEG"), max_pixels=10**6)
+    assert asked == ["JPEG", "JPEG"]

@@ -179,6 +179,26 @@ def test_each_photo_is_opened_once_for_its_size_and_its_decode(raw, detector, mo
     assert [o.reason for o in outcomes] == [None, None, "no_face", "empty_file"] and len(opened) == 3
 
 
+def test_a_reject_of_the_decode_keeps_the_files_hash_and_the_size_limit_is_inclusive(tmp_path, detector):
+    save(tmp_path / "ann" / "small.png", noise(19, 30, 7))  # below min_face_size=20: image_too_small
+    save(tmp_path / "ann" / "edge.png", noise(20, 30, 8))  # exactly min_face_size: decoded, no face found
+    small, edge = extract.process_chunk(["ann/small.png", "ann/edge.png"], str(tmp_path), FACES, "cpu")
+    sha = hashlib.sha256((tmp_path / "ann" / "small.png").read_bytes()).hexdigest()
+    assert (small.reason, small.detail, small.sha256) == ("image_too_small", "30x19 cannot hold a 20px face", sha)
+    assert (edge.reason, edge.detail) == ("no_face", "detector found no face")
+
+
+def test_only_photos_that_are_aligned_are_decoded_reduced(tmp_path, detector, monkeypatch):
+    """The detector sees at most detect_size px, so a photo to align is decoded from that size up; a
+    photo used as it is (detector none) is decoded at full resolution."""
+    asked, opened = [], extract.decode_opened
+    monkeypatch.setattr(extract, "decode_opened", lambda data, pil, *, max_pixels, longest: asked.append(longest) or opened(data, pil, max_pixels=max_pixels, longest=longest))
+    save(tmp_path / "ann" / "1.png", noise(112, 112, 9))
+    extract.process_chunk(["ann/1.png"], str(tmp_path), FACES, "cpu")
+    extract.process_chunk(["ann/1.png"], str(tmp_path), PrepareParams(detector="none", image_size=112), "cpu")
+    assert asked == [640, None]
+
+
 def test_all_faces_in_every_detector_batch(raw, detector, monkeypatch):
     monkeypatch.setattr(extract, "DECODE_BUDGET_PIXELS", 1)  # one detector batch a photo
     outcomes = extract.process_chunk(["ann/2.png", "ann/1.png"], str(raw), FACES, "cpu", all_faces=True)
