@@ -335,3 +335,21 @@ def test_ivf_lists_is_the_power_of_two_nearest_the_root_at_most_a_list_per_39_ro
 def test_the_default_index_is_flat_below_auto_faiss_from_and_ivf_from_it():
     assert search_module.default_index(search_module.AUTO_FAISS_FROM - 1) == "flat"
     assert search_module.default_index(search_module.AUTO_FAISS_FROM) == "ivf"
+
+
+def test_matches_are_final_once_k_identities_score_above_the_lowest_row_fetched():
+    built = Gallery(np.eye(4, dtype=np.float32), ["a", "b", "c", "b"])
+    # fetched: row 0 (a) 0.9, row 1 (b) 0.8, rows 2 (c) and 3 (b) 0.7, the lowest
+    scores, rows = np.array([0.7, 0.9, 0.8, 0.7], np.float32), np.array([2, 0, 1, 3])
+    found = built._matches(scores, rows, 2, complete=False)
+    assert [(m.identity, m.score, m.row) for m in found] == [("a", float(np.float32(0.9)), 0), ("b", float(np.float32(0.8)), 1)]
+    assert built._matches(scores, rows, 3, complete=False) is None  # c ties the lowest: a row not fetched could beat it
+    assert [(m.identity, m.row) for m in built._matches(scores, rows, 3, complete=True)] == [("a", 0), ("b", 1), ("c", 2)]
+    # an index that gives fewer rows than asked (row -1) has no more: what it gave is final
+    padded = built._matches(np.array([0.9, 0.8, -3.4e38], np.float32), np.array([0, 1, -1]), 3, complete=False)
+    assert [(m.identity, m.row) for m in padded] == [("a", 0), ("b", 1)]
+
+
+def test_one_search_gives_the_top5_by_default():
+    found = search(np.eye(7, dtype=np.float32), list("abcdefg"), np.eye(7, dtype=np.float32)[:2])
+    assert [[m.identity for m in matches] for matches in found] == [list("abcde"), list("bacde")]
