@@ -353,3 +353,16 @@ def test_matches_are_final_once_k_identities_score_above_the_lowest_row_fetched(
 def test_one_search_gives_the_top5_by_default():
     found = search(np.eye(7, dtype=np.float32), list("abcdefg"), np.eye(7, dtype=np.float32)[:2])
     assert [[m.identity for m in matches] for matches in found] == [list("abcde"), list("bacde")]
+
+
+def test_one_search_passes_its_index_kind_on():
+    with pytest.raises(FacepipeError, match="unknown faiss index 'lsh'"):
+        search(GOOD, list("abcd"), GOOD, index="lsh")  # type: ignore[arg-type]
+
+
+def test_exact_top_rows_are_float32_scores_and_int64_rows_of_the_best_m():
+    scores, rows = exact_top_rows(GOOD, GOOD[:3], 2)
+    assert (scores.dtype, rows.dtype, scores.shape, rows.shape) == (np.float32, np.int64, (3, 2), (3, 2))
+    expected = GOOD[:3] @ GOOD.T
+    assert [sorted(r) for r in rows.tolist()] == [sorted(np.argsort(-e)[:2].tolist()) for e in expected]
+    np.testing.assert_allclose(np.take_along_axis(expected, rows, 1), scores, atol=1e-6)
