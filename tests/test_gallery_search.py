@@ -366,3 +366,25 @@ def test_exact_top_rows_are_float32_scores_and_int64_rows_of_the_best_m():
     expected = GOOD[:3] @ GOOD.T
     assert [sorted(r) for r in rows.tolist()] == [sorted(np.argsort(-e)[:2].tolist()) for e in expected]
     np.testing.assert_allclose(np.take_along_axis(expected, rows, 1), scores, atol=1e-6)
+
+
+def test_exact_top_rows_scores_each_probe_block_against_each_gallery_block_once(monkeypatch):
+    """5 probes in blocks of 2, 6 rows in blocks of 4, m=3: per probe block, the top of each
+    gallery block's scores, then the top of those kept beside the ones before."""
+    shapes = []
+    real = search_module._top_columns
+
+    def spy(scores, m):
+        shapes.append(scores.shape)
+        return real(scores, m)
+
+    monkeypatch.setattr(search_module, "_top_columns", spy)
+    monkeypatch.setattr(search_module, "PROBE_BLOCK", 2)
+    monkeypatch.setattr(search_module, "GALLERY_BLOCK", 4)
+    gallery = unit(np.random.default_rng(13).standard_normal((6, 8)))
+    probes = unit(np.random.default_rng(14).standard_normal((5, 8)))
+    scores, rows = exact_top_rows(gallery, probes, 3)
+    assert shapes == [(b, c) for b in (2, 2, 1) for c in (4, 3, 2, 5)]
+    expected = probes @ gallery.T
+    assert [sorted(r) for r in rows.tolist()] == [sorted(np.argsort(-e)[:3].tolist()) for e in expected]
+    np.testing.assert_allclose(np.take_along_axis(expected, rows, 1), scores, atol=1e-6)
