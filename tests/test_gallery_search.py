@@ -388,3 +388,28 @@ def test_exact_top_rows_scores_each_probe_block_against_each_gallery_block_once(
     expected = probes @ gallery.T
     assert [sorted(r) for r in rows.tolist()] == [sorted(np.argsort(-e)[:3].tolist()) for e in expected]
     np.testing.assert_allclose(np.take_along_axis(expected, rows, 1), scores, atol=1e-6)
+
+
+def test_checked_names_a_bad_row_past_the_first_block_in_one_whole_line(monkeypatch):
+    monkeypatch.setattr(search_module, "GALLERY_BLOCK", 3)  # rows 0-2, 3-5, 6-7
+    rows = unit(np.random.default_rng(15).standard_normal((8, 4)))
+    checked = search_module._checked(np.asfortranarray(rows.astype(np.float64)), "gallery")
+    assert checked.dtype == np.float32 and checked.flags.c_contiguous
+    np.testing.assert_array_equal(checked, rows)
+    bad = rows.copy()
+    bad[7, 1] = np.nan
+    with pytest.raises(FacepipeError, match=r"^gallery row 7 holds a NaN or an infinity$"):
+        search_module._checked(bad, "gallery")
+    bad = rows.copy()
+    bad[4] *= 2
+    bad[6, 0] = np.inf
+    with pytest.raises(FacepipeError) as error:
+        search_module._checked(bad, "probes")
+    assert str(error.value) == "probes row 4 has L2 norm 2, not 1 (within 0.001): embeddings must be L2-normalised"
+    bad = rows.copy()
+    bad[5] = [1e20, 0, 0, 0]  # finite, but its sum of squares is past float32
+    with pytest.raises(FacepipeError, match=r"^probes row 5 has L2 norm inf, not 1 \(within 0\.001\)"):
+        search_module._checked(bad, "probes")
+    with pytest.raises(FacepipeError) as error:
+        search_module._checked(rows[0], "gallery")
+    assert str(error.value) == "the gallery must be a [rows, E] matrix, not an array of shape (4,)"
