@@ -413,3 +413,10 @@ def test_checked_names_a_bad_row_past_the_first_block_in_one_whole_line(monkeypa
     with pytest.raises(FacepipeError) as error:
         search_module._checked(rows[0], "gallery")
     assert str(error.value) == "the gallery must be a [rows, E] matrix, not an array of shape (4,)"
+
+
+def test_probes_of_another_width_are_refused_in_one_whole_line():
+    narrow = unit(GOOD[:, :6])
+    with pytest.raises(FacepipeError) as error:
+        Gallery(GOOD, list("abcd")).search(narrow)
+    assert str(error.value) == "the probes have 6 values per row and the gallery 8: embeddings of two different models?"
