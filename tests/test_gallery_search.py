@@ -230,3 +230,193 @@ def test_bad_input_is_a_one_line_error(gallery, keys, probes, k, method, message
 def test_an_unknown_index_is_refused():
     with pytest.raises(FacepipeError, match="unknown faiss index 'lsh': one of flat, ivf, hnsw"):
         Gallery(GOOD, list("abcd"), index="lsh")  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- fast exact checks (mutation testing)
+
+
+def test_exact_searches_without_an_index_whatever_the_gallery_size(monkeypatch):
+    monkeypatch.setattr(search_module, "AUTO_FAISS_FROM", 1)  # auto would take the index
+    built = Gallery(GOOD, list("abcd"), index="flat")
+    assert [m[0].identity for m in built.search(GOOD, k=1, method="exact")] == list("abcd")
+    assert built._index is None
+    assert [m[0].identity for m in built.search(GOOD, k=1, method="auto")] == list("abcd")
+    assert built._index is not None
+
+
+def test_the_rows_fetched_start_at_twice_k_identities_and_grow_fourfold(monkeypatch):
+    """160 rows, 101 identities (2 rows each on average, rounded up): k=2 asks 2*2*2 = 8 rows for
+    both probes; the crowd's probe, whose 60 best rows are one identity, asks again for 32 and 128."""
+    rng = np.random.default_rng(3)
+    probe = unit(rng.standard_normal((1, 24)))
+    crowd = unit(probe + rng.standard_normal((60, 24)) * 0.05)
+    rest = unit(rng.standard_normal((100, 24)) * 0.2 - probe)  # all well below the crowd
+    gallery, keys = np.concatenate([crowd, rest]), ["crowd"] * 60 + [f"other{i:03d}" for i in range(100)]
+    probes = np.concatenate([rest[7:8], probe])
+    calls = []
+    real = search_module.exact_top_rows
+
+    def spy(rows, asked, m):
+        calls.append((asked.tolist(), m))
+        return real(rows, asked, m)
+
+    monkeypatch.setattr(search_module, "exact_top_rows", spy)
+    found = Gallery(gallery, keys).search(probes, k=2, method="exact")
+    assert [(len(a), m) for a, m in calls] == [(2, 8), (1, 32), (1, 128)]
+    assert calls[1][0] == calls[2][0] == probe.tolist()  # the first probe was done after one fetch
+    assert_same(found, brute_force(gallery, keys, probes, 2))
+
+
+def test_each_faiss_index_kind_its_settings_training_rows_and_added_blocks(monkeypatch):
+    """500 rows of 8 added 4 * 8 = 32 at a time; the ivf index (12 lists: sqrt(500) -> 16, at most
+    500 // 39) trains on 12 * 10 rows the seed picks, in row order, and scans a quarter of its lists."""
+    import faiss
+
+    rows = unit(np.random.default_rng(12).standard_normal((500, 8)))
+    added, trained = [], []
+
+    def spied(base):
+        class Spy(base):
+            def add(self, x):
+                added.append(np.array(x))
+                super().add(x)
+
+            def train(self, x):
+                trained.append(np.array(x))
+                super().train(x)
+
+        return Spy
+
+    for name in ("IndexFlatIP", "IndexIVFFlat", "IndexHNSWFlat"):
+        monkeypatch.setattr(faiss, name, spied(getattr(faiss, name)))
+    monkeypatch.setattr(search_module, "GALLERY_BLOCK", 4)
+    monkeypatch.setattr(search_module, "IVF_TRAIN_PER_LIST", 10)
+    monkeypatch.setattr(search_module, "IVF_PROBED_SHARE", 0.25)
+
+    def added_whole(index):
+        assert [len(x) for x in added] == [32] * 15 + [20]
+        np.testing.assert_array_equal(np.concatenate(added), rows)
+        assert index.ntotal == 500 and index.metric_type == faiss.METRIC_INNER_PRODUCT and index.d == 8
+        added.clear()
+
+    flat = search_module.build_index(rows, "flat")
+    assert type(flat).__name__ == "Spy" and isinstance(flat, faiss.IndexFlatIP) and not trained
+    np.testing.assert_array_equal(flat.reconstruct_n(0, 500), rows)
+    added_whole(flat)
+
+    hnsw = search_module.build_index(rows, "hnsw")
+    assert isinstance(hnsw, faiss.IndexHNSWFlat) and not trained
+    assert (hnsw.hnsw.nb_neighbors(1), hnsw.hnsw.efConstruction, hnsw.hnsw.efSearch) == (32, 40, 64)
+    added_whole(hnsw)
+
+    ivf = search_module.build_index(rows, "ivf", seed=7)
+    assert isinstance(ivf, faiss.IndexIVFFlat) and (ivf.nlist, ivf.nprobe) == (12, 3)
+    assert (ivf.cp.niter, ivf.cp.seed, ivf.cp.spherical) == (10, 7, True)
+    assert faiss.downcast_index(ivf.quantizer).metric_type == faiss.METRIC_INNER_PRODUCT
+    sample = np.sort(np.random.default_rng(7).choice(500, size=120, replace=False))
+    assert len(trained) == 1
+    np.testing.assert_array_equal(trained[0], rows[sample])
+    added_whole(ivf)
+    # all 12 lists scanned: exact top-1, each row its own best
+    ivf.nprobe = 12
+    assert ivf.search(rows[:20], 1)[1][:, 0].tolist() == list(range(20))
+
+    monkeypatch.setattr(search_module, "IVF_PROBED_SHARE", 1e-6)  # rounds to no list: one is scanned
+    trained.clear()
+    assert search_module.build_index(rows, "ivf").nprobe == 1
+    np.testing.assert_array_equal(trained[0], rows[np.sort(np.random.default_rng(0).choice(500, size=120, replace=False))])
+
+
+@pytest.mark.parametrize("rows, lists", [(1, 1), (38, 1), (100, 2), (512, 13), (2000, 32), (10_000, 128), (1 << 20, 1024)])
+def test_ivf_lists_is_the_power_of_two_nearest_the_root_at_most_a_list_per_39_rows(rows, lists):
+    assert search_module.ivf_lists(rows) == lists
+
+
+def test_the_default_index_is_flat_below_auto_faiss_from_and_ivf_from_it():
+    assert search_module.default_index(search_module.AUTO_FAISS_FROM - 1) == "flat"
+    assert search_module.default_index(search_module.AUTO_FAISS_FROM) == "ivf"
+
+
+def test_matches_are_final_once_k_identities_score_above_the_lowest_row_fetched():
+    built = Gallery(np.eye(4, dtype=np.float32), ["a", "b", "c", "b"])
+    # fetched: row 0 (a) 0.9, row 1 (b) 0.8, rows 2 (c) and 3 (b) 0.7, the lowest
+    scores, rows = np.array([0.7, 0.9, 0.8, 0.7], np.float32), np.array([2, 0, 1, 3])
+    found = built._matches(scores, rows, 2, complete=False)
+    assert [(m.identity, m.score, m.row) for m in found] == [("a", float(np.float32(0.9)), 0), ("b", float(np.float32(0.8)), 1)]
+    assert built._matches(scores, rows, 3, complete=False) is None  # c ties the lowest: a row not fetched could beat it
+    assert [(m.identity, m.row) for m in built._matches(scores, rows, 3, complete=True)] == [("a", 0), ("b", 1), ("c", 2)]
+    # an index that gives fewer rows than asked (row -1) has no more: what it gave is final
+    padded = built._matches(np.array([0.9, 0.8, -3.4e38], np.float32), np.array([0, 1, -1]), 3, complete=False)
+    assert [(m.identity, m.row) for m in padded] == [("a", 0), ("b", 1)]
+
+
+def test_one_search_gives_the_top5_by_default():
+    found = search(np.eye(7, dtype=np.float32), list("abcdefg"), np.eye(7, dtype=np.float32)[:2])
+    assert [[m.identity for m in matches] for matches in found] == [list("abcde"), list("bacde")]
+
+
+def test_one_search_passes_its_index_kind_on():
+    with pytest.raises(FacepipeError, match="unknown faiss index 'lsh'"):
+        search(GOOD, list("abcd"), GOOD, index="lsh")  # type: ignore[arg-type]
+
+
+def test_exact_top_rows_are_float32_scores_and_int64_rows_of_the_best_m():
+    scores, rows = exact_top_rows(GOOD, GOOD[:3], 2)
+    assert (scores.dtype, rows.dtype, scores.shape, rows.shape) == (np.float32, np.int64, (3, 2), (3, 2))
+    expected = GOOD[:3] @ GOOD.T
+    assert [sorted(r) for r in rows.tolist()] == [sorted(np.argsort(-e)[:2].tolist()) for e in expected]
+    np.testing.assert_allclose(np.take_along_axis(expected, rows, 1), scores, atol=1e-6)
+
+
+def test_exact_top_rows_scores_each_probe_block_against_each_gallery_block_once(monkeypatch):
+    """5 probes in blocks of 2, 6 rows in blocks of 4, m=3: per probe block, the top of each
+    gallery block's scores, then the top of those kept beside the ones before."""
+    shapes = []
+    real = search_module._top_columns
+
+    def spy(scores, m):
+        shapes.append(scores.shape)
+        return real(scores, m)
+
+    monkeypatch.setattr(search_module, "_top_columns", spy)
+    monkeypatch.setattr(search_module, "PROBE_BLOCK", 2)
+    monkeypatch.setattr(search_module, "GALLERY_BLOCK", 4)
+    gallery = unit(np.random.default_rng(13).standard_normal((6, 8)))
+    probes = unit(np.random.default_rng(14).standard_normal((5, 8)))
+    scores, rows = exact_top_rows(gallery, probes, 3)
+    assert shapes == [(b, c) for b in (2, 2, 1) for c in (4, 3, 2, 5)]
+    expected = probes @ gallery.T
+    assert [sorted(r) for r in rows.tolist()] == [sorted(np.argsort(-e)[:3].tolist()) for e in expected]
+    np.testing.assert_allclose(np.take_along_axis(expected, rows, 1), scores, atol=1e-6)
+
+
+def test_checked_names_a_bad_row_past_the_first_block_in_one_whole_line(monkeypatch):
+    monkeypatch.setattr(search_module, "GALLERY_BLOCK", 3)  # rows 0-2, 3-5, 6-7
+    rows = unit(np.random.default_rng(15).standard_normal((8, 4)))
+    checked = search_module._checked(np.asfortranarray(rows.astype(np.float64)), "gallery")
+    assert checked.dtype == np.float32 and checked.flags.c_contiguous
+    np.testing.assert_array_equal(checked, rows)
+    bad = rows.copy()
+    bad[7, 1] = np.nan
+    with pytest.raises(FacepipeError, match=r"^gallery row 7 holds a NaN or an infinity$"):
+        search_module._checked(bad, "gallery")
+    bad = rows.copy()
+    bad[4] *= 2
+    bad[6, 0] = np.inf
+    with pytest.raises(FacepipeError) as error:
+        search_module._checked(bad, "probes")
+    assert str(error.value) == "probes row 4 has L2 norm 2, not 1 (within 0.001): embeddings must be L2-normalised"
+    bad = rows.copy()
+    bad[5] = [1e20, 0, 0, 0]  # finite, but its sum of squares is past float32
+    with pytest.raises(FacepipeError, match=r"^probes row 5 has L2 norm inf, not 1 \(within 0\.001\)"):
+        search_module._checked(bad, "probes")
+    with pytest.raises(FacepipeError) as error:
+        search_module._checked(rows[0], "gallery")
+    assert str(error.value) == "the gallery must be a [rows, E] matrix, not an array of shape (4,)"
+
+
+def test_probes_of_another_width_are_refused_in_one_whole_line():
+    narrow = unit(GOOD[:, :6])
+    with pytest.raises(FacepipeError) as error:
+        Gallery(GOOD, list("abcd")).search(narrow)
+    assert str(error.value) == "the probes have 6 values per row and the gallery 8: embeddings of two different models?"
