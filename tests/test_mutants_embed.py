@@ -727,6 +727,7 @@ def test_plan_parts_rewrites_reembeds_and_numbers_after_the_committed_parts(raw,
     items, settings = scan_raw(raw), json.loads((out / "embed.json").read_text())["settings"]
     stats = file_stats(raw, items)
     caplog.set_level(logging.WARNING, logger="facepipe.embed")
+    caplog.clear()  # what the run above logged (INFO when an earlier test set up the CLI's logging)
     other = embed.plan_parts(out, items, stats, settings="other", files_per_part=4)
     assert [(name, [i.path for i in source]) for name, source in other.parts] == [
         ("part-00003", ["ann/1.png", "ann/2.png", "bob/1.png", "bob/2.jpg"]), ("part-00004", ["bob/3.png", "top.png"]),
@@ -877,6 +878,7 @@ def test_search_embeds_photo_probes_with_the_gallerys_model_and_settings(raw, mo
     embed.run(EMBED, raw, model, gallery, workers=1, progress=False)
     calls = _spies(monkeypatch)
     caplog.set_level(logging.WARNING, logger="facepipe.search")
+    caplog.clear()  # the gallery's embed above
     params = EMBED.model_copy(update={"flip": False, "batch_size": 5, "top_k": 2, "search_method": "exact"})
     summary = search.run(params, gallery, raw, model=str(model))
     ref = resolve_model(model, "torch")
@@ -910,6 +912,7 @@ def test_search_embeds_one_photo_or_refuses_a_folder_without_any(raw, model, det
     gallery = tmp_path / "gallery"
     embed.run(EMBED, raw, model, gallery, workers=1, progress=False)
     calls = _spies(monkeypatch)
+    caplog.clear()  # the gallery's embed
     params = EMBED.model_copy(update={"top_k": 1, "search_method": "exact"})
     photo = raw / "ann" / "2.png"
     summary = search.run(params, gallery, photo, model=model)
