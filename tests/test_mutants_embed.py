@@ -186,6 +186,9 @@ def test_a_reject_of_the_decode_keeps_the_files_hash_and_the_size_limit_is_inclu
     sha = hashlib.sha256((tmp_path / "ann" / "small.png").read_bytes()).hexdigest()
     assert (small.reason, small.detail, small.sha256) == ("image_too_small", "30x19 cannot hold a 20px face", sha)
     assert (edge.reason, edge.detail) == ("no_face", "detector found no face")
+    assert edge.sha256 == hashlib.sha256((tmp_path / "ann" / "edge.png").read_bytes()).hexdigest()  # a gate reject keeps it
+    extract.process_chunk(["ann/edge.png"], str(tmp_path), FACES.model_copy(update={"detector_weights": "w.onnx"}), "cpu")
+    assert detector.asked[-1] == ("retinaface", "w.onnx", 20, 640, "cpu")  # the weights reach the detector
 
 
 def test_only_photos_that_are_aligned_are_decoded_reduced(tmp_path, detector, monkeypatch):
@@ -214,7 +217,7 @@ def test_read_rejects(tmp_path):
     gone = extract._read("a/gone.png", str(tmp_path), tiny)
     assert (gone.path, gone.sha256, gone.reason, gone.detail) == ("a/gone.png", None, "io_error", "FileNotFoundError: No such file or directory")
     big = extract._read("a/big.png", str(tmp_path), tiny, identity_folders=False)
-    assert (big.reason, big.detail) == ("file_too_large", f"{(16 << 20) + 9} bytes; an image of max_pixels=1 takes at most {(16 << 20) + 8}")
+    assert (big.path, big.sha256, big.reason, big.detail) == ("a/big.png", None, "file_too_large", f"{(16 << 20) + 9} bytes; an image of max_pixels=1 takes at most {(16 << 20) + 8}")
     (tmp_path / "top.png").write_bytes(b"data")
     assert extract._read("top.png", str(tmp_path), PrepareParams(), identity_folders=False) == (hashlib.sha256(b"data").hexdigest(), b"data")
     stray = extract.Outcome("top.png", None, reason="outside_identity_folder", detail="file is not inside an identity folder")
@@ -228,6 +231,7 @@ def test_a_detector_error_stays_with_its_photo(raw, detector):
     detector.fail = ((70, 70),)
     outcomes = extract.process_chunk(["ann/1.png", "bob/1.png", "ann/2.png"], str(raw), FACES, "cpu", all_faces=True)
     assert [(o.reason, o.detail) for o in outcomes] == [(None, ""), ("detector_error", "RuntimeError: boom"), (None, "")]
+    assert (outcomes[1].path, outcomes[1].sha256) == ("bob/1.png", hashlib.sha256((raw / "bob" / "1.png").read_bytes()).hexdigest())
     assert len(outcomes[2].others) == 1
     assert [shapes for shapes, _ in detector.calls] == [[(90, 80), (70, 70), (100, 120)], [(90, 80)], [(70, 70)], [(100, 120)]]
 
