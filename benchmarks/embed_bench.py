@@ -43,12 +43,11 @@ from functools import partial
 from pathlib import Path
 
 import psutil
-
-from facepipe.gallery.store import EMBEDDING_FOLDER
-from facepipe.io.atomic import check_replaceable
 import yaml
 
 from facepipe.config import SampleDataParams
+from facepipe.gallery.store import EMBEDDING_FOLDER
+from facepipe.io.atomic import check_replaceable
 from facepipe.synthetic.photos import make_sample_dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -61,3 +61,18 @@ def trained_pipeline(tmp_path_factory: pytest.TempPathFactory):
     from embed_helpers import build_pipeline
 
     return build_pipeline(tmp_path_factory.mktemp("trained_pipeline"))
+
+
+@pytest.fixture()
+def ascii_locale():
+    """The C locale's ASCII as the default text encoding of ``open`` in this process (as under ``LANG=C``
+    with UTF-8 mode off, tests/test_locale.py), restored after: every file must name its encoding."""
+    import locale
+
+    before = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, before)

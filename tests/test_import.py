@@ -354,18 +354,6 @@ def test_find_pack_refuses_what_is_not_a_pack_in_one_line(tmp_path):
         assert str(error.value) == f"no RecordIO pack at {source} (expected a .rec file or a folder with train.rec)"
 
 
-@pytest.fixture()
-def ascii_locale():
-    """ASCII as ``open``'s default text encoding in this process (``LC_CTYPE=C``), restored after."""
-    import locale
-
-    before = locale.setlocale(locale.LC_CTYPE)
-    locale.setlocale(locale.LC_CTYPE, "C")
-    try:
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, before)
-
 
 def test_find_pack_takes_export_recs_names_when_they_are_usable_folder_names(tmp_path, ascii_locale):
     from facepipe.errors import FacepipeError

@@ -228,20 +228,6 @@ def write_manifest(folder: Path, content) -> Path:
     return folder
 
 
-@pytest.fixture()
-def ascii_locale():
-    """The C locale's ASCII as the default text encoding of ``open`` in this process (as under ``LANG=C``
-    with UTF-8 mode off, tests/test_locale.py), restored after: every file must name its encoding."""
-    import locale
-
-    before = locale.setlocale(locale.LC_CTYPE)
-    locale.setlocale(locale.LC_CTYPE, "C")
-    try:
-        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, before)
-
 
 def test_read_manifest_reads_utf8_whatever_the_locale(tmp_path, ascii_locale):
     manifest = {"format": "facepipe-embeddings", "version": 1, "parts": [], "raw": "/photos/José"}
@@ -715,20 +701,6 @@ def test_read_thresholds_of_a_missing_file(tmp_path):
         compare.read_thresholds(tmp_path / "none.json", None)
     assert str(error.value) == f"{tmp_path / 'none.json'}: not a thresholds.json of facepipe evaluate ([Errno 2] No such file or directory: '{tmp_path / 'none.json'}')"
 
-
-@pytest.fixture()
-def ascii_locale():
-    """The C locale's ASCII as ``open``'s default text encoding in this process (as under ``LANG=C`` with
-    UTF-8 mode off, tests/test_locale.py), restored after."""
-    import locale
-
-    before = locale.setlocale(locale.LC_CTYPE)
-    locale.setlocale(locale.LC_CTYPE, "C")
-    try:
-        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, before)
 
 
 def test_read_thresholds_reads_utf8_under_the_ascii_locale(tmp_path, ascii_locale):

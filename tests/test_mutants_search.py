@@ -353,20 +353,6 @@ def test_the_table_shows_the_first_50_probes_by_default():
     assert lines[49:] == ["p49.jpg: a 0.500", "... 1 more (--jsonl FILE writes them all)"]
 
 
-@pytest.fixture()
-def ascii_locale():
-    """The C locale's ASCII as ``open``'s default text encoding in this process (as under ``LANG=C`` with
-    UTF-8 mode off, tests/test_locale.py), restored after."""
-    import locale
-
-    before = locale.setlocale(locale.LC_CTYPE)
-    locale.setlocale(locale.LC_CTYPE, "C")
-    try:
-        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, before)
-
 
 def test_the_photos_of_an_embedding_folder_read_as_utf8_under_the_ascii_locale(tmp_path, ascii_locale):
     raw, folder = tmp_path / "José", tmp_path / "folder"

@@ -390,20 +390,6 @@ def test_a_scan_reject_with_the_same_detail_is_reused(tmp_path):
 # --- shardset/builder.py and shardset/build.py (their mutation tests) ---
 
 
-@pytest.fixture()
-def ascii_locale():
-    """The C locale's ASCII as the default text encoding of ``open`` in this process (as under ``LANG=C``
-    with UTF-8 mode off, tests/test_locale.py), restored after: every file must name its encoding."""
-    import locale
-
-    before = locale.setlocale(locale.LC_CTYPE)
-    locale.setlocale(locale.LC_CTYPE, "C")
-    try:
-        assert locale.getpreferredencoding(False) in ("ANSI_X3.4-1968", "ascii", "US-ASCII")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, before)
-
 
 def test_build_set_writes_utf8_passes_raw_to_the_report_and_times_it(tmp_path, ascii_locale, monkeypatch):
     from types import SimpleNamespace

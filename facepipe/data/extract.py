@@ -16,7 +16,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from facepipe.data.scan import FileTooLarge, ScanItem, read_raw_file
 from facepipe.detection.base import Detector, Face, select_face
 from facepipe.detection.registry import create_detector
 from facepipe.io.records import encode_image
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 #: Decoded pixels a worker holds at once (2 x 16 MP photos; 96 MB as uint8 RGB). Read at call time.
 DECODE_BUDGET_PIXELS = 32_000_000
@@ -215,10 +218,11 @@ def _read(path: str, raw_root: str, params: PrepareParams, *, identity_folders: 
     return hashlib.sha256(data).hexdigest(), data
 
 
-def _decode(path: str, sha: str, data: bytes, pil: Any, params: PrepareParams) -> Outcome | Decoded:
-    """One file's bytes (its header parsed into ``pil``) decoded for detection, or its reject. The detector sees at most
-    ``detect_size`` px on the longest side, so JPEGs at least twice that size are decoded at 1/2, 1/4
-    or 1/8 scale, no smaller than ``detect_size`` (3-10x less decoding; :func:`_alignment_source`)."""
+def _decode(path: str, sha: str, data: bytes, pil: Image.Image, params: PrepareParams) -> Outcome | Decoded:
+    """One file's bytes (its header parsed into ``pil``) decoded for detection, or its reject. The
+    detector sees at most ``detect_size`` px on the longest side, so JPEGs at least twice that size are
+    decoded at 1/2, 1/4 or 1/8 scale, no smaller than ``detect_size`` (3-10x less decoding;
+    :func:`_alignment_source`)."""
     longest = params.detect_size if params.needs_alignment else None
     try:
         decoded = decode_opened(data, pil, max_pixels=params.max_pixels, longest=longest)

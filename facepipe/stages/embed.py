@@ -304,8 +304,11 @@ def _write_new_part(
 ) -> None:
     """A part of freshly embedded photos, each line with the size and mtime the scan saw before the
     photo was read (a photo changed while it was read is then seen as changed by the next run)."""
-    lines = [{**line, "size": stats.get(line["path"], (None, None))[0], "mtime_ns": stats.get(line["path"], (None, None))[1]} for line in lines]
-    store.write_part(out, name, settings, lines, np.concatenate(blocks) if blocks else np.zeros((0, work.model.spec.embedding_size), np.float32))
+    stamped = []
+    for line in lines:
+        size, mtime_ns = stats.get(line["path"], (None, None))
+        stamped.append({**line, "size": size, "mtime_ns": mtime_ns})
+    store.write_part(out, name, settings, stamped, np.concatenate(blocks) if blocks else np.zeros((0, work.model.spec.embedding_size), np.float32))
 
 
 def _rewrite(out: Path, name: str, old: store.Part, lines: list[dict[str, Any]], settings: str) -> None:
