@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image
 
 from facepipe.data.decode import Reject, load_image
+from facepipe.errors import FacepipeError
 
 WIDTH, HEIGHT = 1920, 1280
 GRID = (4, 3)  # columns, rows
@@ -61,6 +62,8 @@ def make_large_set(sample_raw: Path, out: Path, *, images: int = 48, seed: int =
             photos.append((path.parent.name, load_image(path.read_bytes(), max_pixels=10**8)))
         except Reject:  # the planted bad files
             continue
+    if not photos:
+        raise FacepipeError(f"no sample photos in {sample_raw} (JPEGs in identity folders; facepipe sample-data writes them)")
     rng = np.random.default_rng(seed)
     for index in range(images):
         canvas, identity = compose(photos, rng)
@@ -77,7 +80,11 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(make_large_set(args.sample_raw, args.out, images=args.images, seed=args.seed), "images written")
+    try:
+        written = make_large_set(args.sample_raw, args.out, images=args.images, seed=args.seed)
+    except FacepipeError as error:
+        parser.exit(2, f"large_set.py: {error}\n")
+    print(written, "images written")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 from facepipe.config import PrepareParams
 from facepipe.data.extract import process_chunk, warm_up
 from facepipe.data.scan import scan_raw
+from facepipe.errors import FacepipeError
 
 #: Phases by the profiled function's name (built-ins and library functions, own time).
 PHASES = {
@@ -86,11 +87,16 @@ def main() -> None:
     args = parser.parse_args()
     spent = install_timers() if args.timers else {}
     params = PrepareParams(detector=args.detector)
+    try:
+        paths = [item.path for item in scan_raw(args.raw) if item.reason is None]
+    except FacepipeError as error:
+        parser.exit(2, f"prepare_profile.py: {error}\n")
+    size = params.chunk_size
+    if len(paths) <= size:  # the first chunk is not timed
+        parser.exit(2, f"prepare_profile.py: no photo to profile: {args.raw} has {len(paths)} photos, the first {size} are not timed\n")
     started = time.perf_counter()
     warm_up(params, "cpu")
     print(f"warm-up (load the detector): {time.perf_counter() - started:.2f} s; torch imported: {'torch' in sys.modules}")
-    paths = [item.path for item in scan_raw(args.raw) if item.reason is None]
-    size = params.chunk_size
     process_chunk(paths[:size], str(args.raw), params, "cpu")  # untimed: first-call costs
     chosen = paths[size : size + args.photos]
     if args.timers:
