@@ -243,3 +243,53 @@ def test_only_colour_and_grey_jpegs_take_the_direct_libjpeg_path(monkeypatch):
     decode.load_image(encoded(Image.new("L", (40, 30), 77), "JPEG"), max_pixels=10**6)
     decode.load_image(encoded(Image.new("CMYK", (40, 30), (1, 2, 3, 4)), "JPEG"), max_pixels=10**6)
     assert asked == ["JPEG", "JPEG"]
+
+
+def test_a_grey_jpeg_cut_short_is_unreadable_like_a_colour_one():
+    grey = np.asarray(Image.fromarray(FACE).convert("L"))
+    data = _claim_more_rows(encoded(Image.fromarray(grey), "JPEG", quality=90), 64)
+    with pytest.raises(Reject) as info:
+        load_image(data, max_pixels=10**7)
+    assert info.value.reason == "unreadable" and "rows are decoder fill" in info.value.detail
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "CMYK JPEG"])
+def test_only_colour_and_grey_jpegs_are_judged_by_the_fill_rule(fmt):
+    # an exact mid-grey band at the bottom of a PNG, or of a CMYK JPEG (whose 128 is a colour, not
+    # libjpeg's fill of colour and grey data), is a picture: nothing is missing
+    image = FACE.copy()
+    image[-24:] = 128
+    if fmt == "PNG":
+        data = encoded(Image.fromarray(image), "PNG")
+    else:
+        cmyk = np.concatenate([image, np.full((*image.shape[:2], 1), 128, np.uint8)], axis=2)
+        data = encoded(Image.fromarray(cmyk, "CMYK"), "JPEG", quality=95)
+        assert (np.asarray(Image.open(io.BytesIO(data)))[-4:] == 128).all()  # the band decodes exact
+    assert load_image(data, max_pixels=10**7).shape == FACE.shape
+
+
+def test_the_fill_rule_looks_at_the_last_four_rows_of_a_full_scale_decode():
+    from facepipe.data.decode import _check_complete_jpeg
+
+    # 10 rows: an 8-row block of black, then a 2-row block of exact mid-grey (flat blocks encode exactly)
+    image = np.zeros((10, 16), np.uint8)
+    image[8:] = 128
+    pil = Image.open(io.BytesIO(encoded(Image.fromarray(image), "JPEG", quality=95)))
+    assert (np.asarray(pil)[-2:] == 128).all() and (np.asarray(pil)[-4:-2] == 0).all()
+    _check_complete_jpeg(pil)  # the last 4 rows are not all fill: complete
+    with pytest.raises(Reject):
+        _check_complete_jpeg(pil, 2)  # at 1/2 scale, 2 rows stand for those 4
+
+
+@pytest.mark.parametrize("height", [3, 4])
+def test_an_image_as_high_as_the_rows_the_rule_reads_is_judged_and_a_lower_one_is_not(height):
+    from facepipe.data.decode import _check_complete_jpeg
+
+    pil = Image.open(io.BytesIO(encoded(Image.new("L", (16, height), 128), "JPEG", quality=95)))
+    assert (np.asarray(pil) == 128).all()  # a flat block encodes exactly
+    if height < 4:
+        _check_complete_jpeg(pil)  # fewer rows than the rule reads: not judged
+        return
+    with pytest.raises(Reject) as info:  # every row is fill: the count says all of them
+        _check_complete_jpeg(pil)
+    assert info.value.detail == "the last 4 of 4 rows are decoder fill: the data ends before the image does"
