@@ -293,3 +293,12 @@ def test_an_image_as_high_as_the_rows_the_rule_reads_is_judged_and_a_lower_one_i
     with pytest.raises(Reject) as info:  # every row is fill: the count says all of them
         _check_complete_jpeg(pil)
     assert info.value.detail == "the last 4 of 4 rows are decoder fill: the data ends before the image does"
+
+
+def test_a_jpeg_cut_mid_scan_is_unreadable_with_pillows_words():
+    # no end marker: libjpeg's fast path refuses it (strict), Pillow's raises; the reject names the error
+    data = jpeg_bytes(FACE, quality=90)
+    with pytest.raises(Reject) as info:
+        load_image(data[: len(data) // 2], max_pixels=10**7)
+    assert info.value.reason == "unreadable"
+    assert info.value.detail.startswith("OSError: image file is truncated"), info.value.detail
