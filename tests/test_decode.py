@@ -8,7 +8,7 @@ from PIL import Image
 
 import facepipe.data.extract as extract
 from facepipe.config import PrepareParams
-from facepipe.data.decode import Reject, load_image
+from facepipe.data.decode import Reject, load_image, load_image_reduced
 from facepipe.data.extract import process_chunk
 from rawdata import StandInDetector, astronaut, jpeg_bytes, variant
 
@@ -302,3 +302,13 @@ def test_a_jpeg_cut_mid_scan_is_unreadable_with_pillows_words():
         load_image(data[: len(data) // 2], max_pixels=10**7)
     assert info.value.reason == "unreadable"
     assert info.value.detail.startswith("OSError: image file is truncated"), info.value.detail
+
+
+def test_a_few_missing_rows_are_found_in_a_quarter_scale_decode():
+    # a grey JPEG whose header claims 16 rows its data lacks: at 1/4 scale its last 2 rows are fill,
+    # which is all the rule reads there (4 rows would take in real ones and pass the photo)
+    grey = np.asarray(Image.fromarray(FACE).convert("L"))
+    data = _claim_more_rows(encoded(Image.fromarray(grey), "JPEG", quality=90), 16)
+    with pytest.raises(Reject) as info:
+        load_image_reduced(data, max_pixels=10**7, longest=50)
+    assert info.value.reason == "unreadable" and info.value.detail.startswith("the last 2 of 54 rows are decoder fill")
