@@ -676,3 +676,30 @@ def test_chunk_runner_here_warms_first_and_runs_in_this_process():
     with cluster.chunk_runner(lambda chunk, k: calls.append(chunk) or chunk * k, 3, here=True, warm=lambda: calls.append("warm")) as (submit, n):
         assert n == 1 and calls == ["warm"]
         assert submit(2).result() == 6 and calls == ["warm", 2]
+
+
+def _box_face(x1: float, y1: float, x2: float, y2: float, score: float = 0.9):
+    from facepipe.detection.base import Face
+
+    return Face(box=np.asarray([x1, y1, x2, y2], np.float64), score=score, landmarks=np.zeros((5, 2)))
+
+
+def test_select_face_center_measures_from_the_middle_of_a_wide_photo():
+    from facepipe.detection.base import select_face
+
+    shape = (100, 300, 3)  # H, W: the centre is (150, 50)
+    high = _box_face(140, 10, 160, 30)  # 30 px above the centre
+    right = _box_face(180, 40, 200, 60)  # 40 px right of it
+    assert select_face([right, high], "center", shape) is high
+    left = _box_face(0, 40, 20, 60)  # far left, at the centre's height
+    middle = _box_face(140, 40, 160, 60)  # on the centre
+    assert select_face([left, middle], "center", shape) is middle  # squared distances, of the box centres
+
+
+def test_select_face_refuses_an_empty_list_and_an_unknown_policy_by_name():
+    from facepipe.detection.base import select_face
+
+    with pytest.raises(ValueError, match=r"^no faces to select from$"):
+        select_face([], "largest", (10, 10, 3))
+    with pytest.raises(ValueError, match=r"^unknown face selection policy 'biggest'$"):
+        select_face([_box_face(0, 0, 5, 5)], "biggest", (10, 10, 3))
