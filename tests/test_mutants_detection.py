@@ -703,3 +703,18 @@ def test_select_face_refuses_an_empty_list_and_an_unknown_policy_by_name():
         select_face([], "largest", (10, 10, 3))
     with pytest.raises(ValueError, match=r"^unknown face selection policy 'biggest'$"):
         select_face([_box_face(0, 0, 5, 5)], "biggest", (10, 10, 3))
+
+
+@pytest.mark.parametrize("shape", [(100, 300, 3), (300, 100, 3)])
+def test_select_face_center_picks_the_box_whose_centre_is_nearest_the_photos(shape):
+    from facepipe.detection.base import select_face
+
+    rng = np.random.default_rng(7)
+    height, width = shape[:2]
+    for _ in range(200):
+        faces = []
+        for _ in range(int(rng.integers(2, 7))):
+            x1, y1 = rng.uniform(0, width - 20), rng.uniform(0, height - 20)
+            faces.append(_box_face(x1, y1, x1 + rng.uniform(5, 20), y1 + rng.uniform(5, 20)))
+        distances = [math.hypot((f.box[0] + f.box[2]) / 2 - width / 2, (f.box[1] + f.box[3]) / 2 - height / 2) for f in faces]
+        assert select_face(faces, "center", shape) is faces[int(np.argmin(distances))]
