@@ -312,3 +312,77 @@ def test_a_few_missing_rows_are_found_in_a_quarter_scale_decode():
     with pytest.raises(Reject) as info:
         load_image_reduced(data, max_pixels=10**7, longest=50)
     assert info.value.reason == "unreadable" and info.value.detail.startswith("the last 2 of 54 rows are decoder fill")
+
+
+def test_a_reject_reads_as_its_reason_and_detail():
+    assert (str(Reject("unreadable", "cut short")), Reject("unreadable", "cut short").detail) == ("unreadable: cut short", "cut short")
+    bare = Reject("empty_file")
+    assert (str(bare), bare.reason, bare.detail) == ("empty_file", "empty_file", "")
+
+
+def _rgb_of(pil: Image.Image) -> np.ndarray:
+    from facepipe.data.decode import _to_rgb
+
+    out = _to_rgb(pil)
+    assert out.dtype == np.uint8 and out.shape == (pil.height, pil.width, 3)
+    return out
+
+
+def test_deep_grey_scales_its_whole_range_into_8_bits():
+    # 16-bit: 65535 is white whatever the values; 32-bit "I": 255 is white unless a value is above it
+    sixteen = Image.fromarray(np.asarray([[0, 257, 32768, 65535]], np.uint16))
+    assert sixteen.mode.startswith("I;16")
+    np.testing.assert_array_equal(_rgb_of(sixteen)[0, :, 0], [0, 1, 128, 255])
+    low = Image.fromarray(np.asarray([[0, 100, 255]], np.int32))
+    assert low.mode == "I"
+    np.testing.assert_array_equal(_rgb_of(low)[0], [[0] * 3, [100] * 3, [255] * 3])
+    high = Image.fromarray(np.asarray([[0, 256, 65535]], np.int32))
+    np.testing.assert_array_equal(_rgb_of(high)[0, :, 0], [0, 1, 255])  # 256 * 255 / 65535 + 0.5 rounds to 1
+    big_endian = Image.frombytes("I;16B", (3, 1), np.asarray([0, 255, 65535], ">u2").tobytes())
+    np.testing.assert_array_equal(_rgb_of(big_endian)[0, :, 1], [0, 1, 255])  # 16-bit: 255 is dark
+
+
+def test_float_grey_is_zero_to_one_clipped():
+    pil = Image.fromarray(np.asarray([[-1.0, 0.0, 0.5, 1.0, 2.0]], np.float32))
+    assert pil.mode == "F"
+    np.testing.assert_array_equal(_rgb_of(pil)[0], [[0] * 3, [0] * 3, [128] * 3, [255] * 3, [255] * 3])
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "PA", "P"])
+def test_transparent_pixels_composite_onto_mid_grey(mode):
+    rgba = np.asarray([[[255, 0, 0, 0], [255, 0, 0, 255], [0, 0, 255, 128]]], np.uint8)
+    pil = Image.fromarray(rgba, "RGBA")
+    if mode == "LA":
+        pil = pil.convert("LA")
+    elif mode == "PA":
+        pil = pil.convert("PA")
+    elif mode == "P":  # a palette with a transparent index
+        pil = Image.fromarray(np.asarray([[0, 1, 2]], np.uint8), "P")
+        pil.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255])
+        pil.info["transparency"] = 0
+    out = _rgb_of(pil)
+    np.testing.assert_array_equal(out[0, 0], [128, 128, 128])  # fully transparent: the grey
+    if mode == "RGBA":
+        np.testing.assert_array_equal(out[0, 1], [255, 0, 0])
+        np.testing.assert_allclose(out[0, 2], [64, 64, 191], atol=1)  # half blue over the grey
+    if mode == "P":
+        np.testing.assert_array_equal(out[0, 1:], [[0, 255, 0], [0, 0, 255]])
+
+
+def test_a_palette_image_without_transparency_keeps_its_colours():
+    pil = Image.fromarray(np.asarray([[0, 1]], np.uint8), "P")
+    pil.putpalette([10, 20, 30, 40, 50, 60])
+    np.testing.assert_array_equal(_rgb_of(pil)[0], [[10, 20, 30], [40, 50, 60]])
+
+
+@pytest.mark.parametrize(("width", "height"), [(13, 29), (13, 7), (150, 4), (10, 10)])
+def test_pixels_read_in_bands_are_the_whole_image(monkeypatch, width, height):
+    from facepipe.data import decode
+
+    monkeypatch.setattr(decode, "_BAND_PIXELS", 100)  # bands of 7 rows at 13 px; 1 row when a row is wider
+    image = np.random.default_rng(width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = decode._pixels(Image.fromarray(image))
+    assert out.shape == image.shape and out.dtype == np.uint8
+    np.testing.assert_array_equal(out, image)
+    grey = decode._pixels(Image.fromarray(image[:, :, 0]))
+    np.testing.assert_array_equal(grey, image[:, :, 0])
