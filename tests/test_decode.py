@@ -340,6 +340,8 @@ def test_deep_grey_scales_its_whole_range_into_8_bits():
     np.testing.assert_array_equal(_rgb_of(high)[0, :, 0], [0, 1, 255])  # 256 * 255 / 65535 + 0.5 rounds to 1
     big_endian = Image.frombytes("I;16B", (3, 1), np.asarray([0, 255, 65535], ">u2").tobytes())
     np.testing.assert_array_equal(_rgb_of(big_endian)[0, :, 1], [0, 1, 255])  # 16-bit: 255 is dark
+    little_endian = Image.frombytes("I;16L", (3, 1), np.asarray([0, 32768, 65535], "<u2").tobytes())
+    np.testing.assert_array_equal(_rgb_of(little_endian)[0, :, 2], [0, 128, 255])
 
 
 def test_float_grey_is_zero_to_one_clipped():
@@ -386,3 +388,19 @@ def test_pixels_read_in_bands_are_the_whole_image(monkeypatch, width, height):
     np.testing.assert_array_equal(out, image)
     grey = decode._pixels(Image.fromarray(image[:, :, 0]))
     np.testing.assert_array_equal(grey, image[:, :, 0])
+
+
+def test_a_large_image_is_read_without_a_second_copy_of_its_pixels():
+    # np.asarray(pil) peaks at twice the pixels (Pillow's chunks, then their join); in 1 MP bands, the
+    # result and one band
+    from facepipe.data import decode
+
+    pil = Image.new("RGB", (4000, 3000), (1, 2, 3))
+    pil.load()
+    tracemalloc.start()
+    try:
+        out = decode._pixels(pil)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (out == (1, 2, 3)).all() and peak < 1.5 * out.nbytes, peak / out.nbytes
