@@ -342,12 +342,20 @@ def test_deep_grey_scales_its_whole_range_into_8_bits():
     np.testing.assert_array_equal(_rgb_of(big_endian)[0, :, 1], [0, 1, 255])  # 16-bit: 255 is dark
     little_endian = Image.frombytes("I;16L", (3, 1), np.asarray([0, 32768, 65535], "<u2").tobytes())
     np.testing.assert_array_equal(_rgb_of(little_endian)[0, :, 2], [0, 128, 255])
+    dim = Image.fromarray(np.asarray([[0, 255]], np.uint16))  # 16-bit whatever its values: 255 is dark
+    np.testing.assert_array_equal(_rgb_of(dim)[0, :, 0], [0, 1])
+    just_over = Image.fromarray(np.asarray([[0, 256]], np.int32))  # one value above 255: 16-bit range
+    np.testing.assert_array_equal(_rgb_of(just_over)[0, :, 0], [0, 1])
+    # rounding at 65535 (not 65536), and clipping both ways of what 32-bit values exceed the range
+    wide = Image.fromarray(np.asarray([[-1000, 60000, 65407, 100000]], np.int32))
+    np.testing.assert_array_equal(_rgb_of(wide)[0, :, 0], [0, 233, 255, 255])
 
 
 def test_float_grey_is_zero_to_one_clipped():
-    pil = Image.fromarray(np.asarray([[-1.0, 0.0, 0.5, 1.0, 2.0]], np.float32))
+    pil = Image.fromarray(np.asarray([[-1.0, 0.0, 0.5, 1.0, 2.0, 0.6098039150238037]], np.float32))
     assert pil.mode == "F"
-    np.testing.assert_array_equal(_rgb_of(pil)[0], [[0] * 3, [0] * 3, [128] * 3, [255] * 3, [255] * 3])
+    # in float64: 0.6098039... * 255 + 0.5 is just under 156 (in float32 it rounds up to 156)
+    np.testing.assert_array_equal(_rgb_of(pil)[0], [[0] * 3, [0] * 3, [128] * 3, [255] * 3, [255] * 3, [155] * 3])
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "PA", "P"])
