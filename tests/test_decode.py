@@ -412,3 +412,16 @@ def test_a_large_image_is_read_without_a_second_copy_of_its_pixels():
     finally:
         tracemalloc.stop()
     assert (out == (1, 2, 3)).all() and peak < 1.5 * out.nbytes, peak / out.nbytes
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_colour_key_transparency_composites_onto_mid_grey_too(mode):
+    # PNG's tRNS chunk on an RGB or grey image: one colour stands for transparent, as a palette index can
+    key = (10, 20, 30) if mode == "RGB" else 10
+    image = Image.new(mode, (2, 1), key)
+    image.putpixel((1, 0), (200, 100, 50) if mode == "RGB" else 200)
+    data = encoded(image, "PNG", transparency=key)
+    assert Image.open(io.BytesIO(data)).info["transparency"] == key
+    out = load_image(data, max_pixels=10**6)
+    np.testing.assert_array_equal(out[0, 0], [128, 128, 128])
+    np.testing.assert_array_equal(out[0, 1], [200, 100, 50] if mode == "RGB" else [200] * 3)

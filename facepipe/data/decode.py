@@ -34,8 +34,9 @@ def _to_rgb(pil: Image.Image) -> np.ndarray:
     if pil.mode == "F":
         grey = np.clip(np.asarray(pil, dtype=np.float64) * 255.0 + 0.5, 0, 255).astype(np.uint8)
         return np.repeat(grey[:, :, None], 3, axis=2)
-    if pil.mode in ("RGBA", "LA", "PA") or (pil.mode == "P" and "transparency" in pil.info):
-        # Transparent pixels composite onto mid grey rather than an arbitrary stored colour.
+    if pil.mode in ("RGBA", "LA", "PA") or "transparency" in pil.info:
+        # Transparent pixels (an alpha channel, or a palette index or colour key that stands for
+        # transparent) composite onto mid grey rather than an arbitrary stored colour.
         rgba = pil.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (128, 128, 128, 255))
         return np.asarray(Image.alpha_composite(background, rgba).convert("RGB"))
