@@ -20,10 +20,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,21 +31,21 @@ from facepipe.config import PrepareParams
 from facepipe.data.decode import load_image_reduced
 from facepipe.data.scan import scan_raw
 from facepipe.detection.base import downscale
-from facepipe.detection.retinaface import OnnxRetinaFace, RetinaFaceDetector, onnx_model
+from facepipe.detection.retinaface import _BUCKET, OnnxRetinaFace, RetinaFaceDetector, onnx_model
 from facepipe.errors import FacepipeError
 
-Run = Callable[[np.ndarray], list[np.ndarray]]
+Run = Callable[[np.ndarray], Sequence[np.ndarray]]
 
 
-def network_inputs(raw: Path, paths: list[str], detector: RetinaFaceDetector, detect_size: int) -> list[np.ndarray]:
+def network_inputs(raw: Path, paths: list[str], detector: RetinaFaceDetector, params: PrepareParams) -> list[np.ndarray]:
     """[1, 3, H, W] inputs as prepare makes them: the reduced decode, the bilinear downscale, the
-    padding to 32 px."""
+    padding to the network's bucket (32 px)."""
     inputs = []
     for path in paths:
-        decoded = load_image_reduced((raw / path).read_bytes(), max_pixels=PrepareParams().max_pixels, longest=detect_size)
+        decoded = load_image_reduced((raw / path).read_bytes(), max_pixels=params.max_pixels, longest=params.detect_size)
         small, _ = downscale(decoded.image, detector.input_side(decoded.image.shape, reduction=decoded.reduction), bilinear_to_half=True)
         h, w = small.shape[:2]
-        inputs.append(detector._input([small], (32 * -(-h // 32), 32 * -(-w // 32))))
+        inputs.append(detector._input([small], (_BUCKET * -(-h // _BUCKET), _BUCKET * -(-w // _BUCKET))))
     return inputs
 
 
@@ -109,7 +108,7 @@ def main() -> None:
         parser.exit(2, f"detector_network.py: {args.raw} has {len(paths)} photos; {args.photos} timed + {args.calibration} to calibrate int8 needed\n")
     params = PrepareParams(detector="retinaface")
     detector = RetinaFaceDetector(detect_size=params.detect_size, min_face_size=params.min_face_size, threads=1, device="cpu")
-    timed = network_inputs(args.raw, paths[: args.photos], detector, params.detect_size)
+    timed = network_inputs(args.raw, paths[: args.photos], detector, params)
     model = onnx_model()
     runners: dict[str, Run] = {"onnxruntime": OnnxRetinaFace(model, threads=1)}
     if importlib.util.find_spec("openvino") is not None:
@@ -117,7 +116,7 @@ def main() -> None:
     else:
         print("openvino: not installed, not run")
     if args.calibration:
-        calibration = network_inputs(args.raw, paths[args.photos : args.photos + args.calibration], detector, params.detect_size)
+        calibration = network_inputs(args.raw, paths[args.photos : args.photos + args.calibration], detector, params)
         runners["int8"] = OnnxRetinaFace(int8_model(model, calibration), threads=1)
     for run in runners.values():  # first-call costs (shape-specific compilation, allocations)
         run(timed[0])
@@ -128,16 +127,16 @@ def main() -> None:
                 started = time.process_time()
                 run(batch)
                 spent[name].append(time.process_time() - started)
-    reference = [runners["onnxruntime"](batch) for batch in timed]
+    outputs = {name: [run(batch) for batch in timed] for name, run in runners.items()}  # each run once
     shapes = sorted({batch.shape[2:] for batch in timed})
     print(f"{len(timed)} photos of {args.raw}, inputs {', '.join(f'{h}x{w}' for h, w in shapes)}; {args.repeats} interleaved repeats, one thread\n")
     print("| runtime | ms CPU per photo (median) | vs onnxruntime | max abs diff: boxes, scores, landmarks |\n|---|---:|---:|---|")
     base = statistics.median(spent["onnxruntime"])
-    for name, run in runners.items():
-        diffs = [max(float(np.abs(a - b).max()) for a, b in zip((run(x)[k] for x in timed), (r[k] for r in reference))) for k in range(3)]
+    for name in runners:
+        pairs = list(zip(outputs[name], outputs["onnxruntime"]))
+        diffs = [max(float(np.abs(mine[k] - theirs[k]).max()) for mine, theirs in pairs) for k in range(3)]
         median = statistics.median(spent[name])
         print(f"| {name} | {1000 * median:.2f} | {base / median:.2f}x | {', '.join(f'{d:.2g}' for d in diffs)} |")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
